@@ -1,0 +1,1 @@
+"""The `mtp-convert` command line; the only package that prints."""

@@ -1,0 +1,1 @@
+"""Files in, files out: checkpoint I/O, config rules, quantize, pair, check."""

@@ -1,0 +1,1 @@
+"""Quantization math and on-disk schemas (dtypes, Gemma 4 config facts, quantization configs); torch only."""

@@ -1,0 +1,1 @@
+"""Plain PyTorch execution of a target + assistant pair; no file I/O."""
