@@ -17,6 +17,8 @@ from mtpkit.formats.quantization import detect_quantization
 # Tensors that hold quantization scales, not model parameters.
 _AUXILIARY_SUFFIXES = ("weight_scale", "weight_scale_2", "weight_global_scale", "weight_zero_point", "weight_shape",
                        "input_scale", "input_global_scale", "output_scale", "k_scale", "v_scale")
+# Gemma 4 buffers saved beside the parameters; transformers' num_parameters() does not count them.
+_BUFFER_SUFFIXES = ("layer_scalar", "token_ordering")
 _ARCH_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "global_head_dim", "num_global_key_value_heads", "num_kv_shared_layers", "vocab_size",
               "sliding_window", "attention_k_eq_v", "enable_moe_block", "num_experts", "top_k_experts",
@@ -48,9 +50,9 @@ class Description:
 
 
 def _parameters_in(info: TensorInfo, tensors: dict[str, TensorInfo]) -> int:
-    """Logical parameters a tensor stands for: packed FP4 bytes hold two, scales hold none."""
+    """Logical parameters a tensor stands for: packed FP4 bytes hold two, scales and buffers none."""
     last = info.name.rsplit(".", 1)[-1]
-    if last in _AUXILIARY_SUFFIXES:
+    if last in _AUXILIARY_SUFFIXES or last in _BUFFER_SUFFIXES:
         return 0
     if last == "weight_packed" and info.dtype == "U8":  # compressed-tensors nvfp4-pack-quantized
         return info.numel * 2
