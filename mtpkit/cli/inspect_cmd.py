@@ -45,6 +45,7 @@ def _table(d: Description) -> Table:
         table.add_row("parameters", f"{d.num_parameters:,}")
         table.add_row("tensors", f"{d.num_tensors:,} in {d.shards} shard(s), {_size(d.total_bytes)}")
         table.add_row("dtypes", ", ".join(f"{k} {v['tensors']} ({_size(v['bytes'])})" for k, v in d.dtypes.items()))
+    table.add_row("config form", f"text_config {d.config_form['text_config']}, head dims as {d.config_form['head_dims']}")
     table.add_row("layers", ", ".join(f"{n} {t}" for t, n in d.layer_types.items()))
     arch = d.architecture
     table.add_row("hidden / vocab", f"{arch.get('hidden_size')} / {arch.get('vocab_size')}")

@@ -47,12 +47,13 @@ def read_json(path: Path, *, what: str = "JSON") -> dict:
     return value
 
 
-def _inside(path: Path, root: Path) -> bool:
+def check_inside(path: Path, root: Path) -> None:
+    """Refuse a file that is (or links to) something outside the checkpoint: it would leak into outputs."""
     try:
         path.resolve().relative_to(root.resolve())
-        return True
     except ValueError:
-        return False
+        raise CheckpointError(f"points outside the checkpoint folder (to {path.resolve()})", where=path,
+                              fix="replace the link with the file itself, or remove it") from None
 
 
 @dataclass
@@ -64,6 +65,7 @@ class Checkpoint:
     shards: list[SafetensorsHeader] = field(default_factory=list)
     tensors: dict[str, TensorInfo] = field(default_factory=dict)  # sorted by name
     index_metadata: dict | None = None
+    allowed_root: Path | None = None  # where symlinks may point; None: inside `folder`
 
     @property
     def config_only(self) -> bool:
@@ -95,6 +97,7 @@ class Checkpoint:
                 continue
             if rel.as_posix() in weight_files or path.suffix in PICKLE_SUFFIXES or path.suffix == ".safetensors":
                 continue
+            check_inside(path, self.allowed_root or self.folder)
             keep.append(path)
         return keep
 
@@ -110,19 +113,19 @@ def open_checkpoint(folder: str | Path, *, allowed_root: Path | None = None, rea
     if not folder.is_dir():
         raise SourceNotFoundError("is a file, not a checkpoint folder", where=folder, fix="pass the folder that holds config.json")
     root = allowed_root or folder
+    if (folder / "config.json").exists():
+        check_inside(folder / "config.json", root)
     config = read_json(folder / "config.json", what="JSON config")
     if not read_tensors:
-        return Checkpoint(folder, config)
+        return Checkpoint(folder, config, allowed_root=allowed_root)
     shard_names, index_metadata = _shard_names(folder)
     shards = []
     for name in shard_names:
         path = folder / name
-        if not _inside(path, root):
-            raise CheckpointError(f"shard {name!r} lies outside the checkpoint folder", where=folder / INDEX_FILE,
-                                  fix="keep every shard inside the folder")
         if not path.is_file():
             raise CheckpointError(f"names shard {name!r}, which is missing", where=folder / INDEX_FILE,
                                   fix="download the missing shard, or regenerate the index")
+        check_inside(path, root)
         shards.append(read_header(path))
     tensors = _merge(folder, shards)
     if index_metadata is not None:
@@ -130,7 +133,8 @@ def open_checkpoint(folder: str | Path, *, allowed_root: Path | None = None, rea
     if not shards:
         _refuse_pickles(folder)
     ordered = dict(sorted(tensors.items()))
-    return Checkpoint(folder, config, shards, ordered, index_metadata.get("metadata") if index_metadata else None)
+    return Checkpoint(folder, config, shards, ordered, index_metadata.get("metadata") if index_metadata else None,
+                      allowed_root)
 
 
 def _shard_names(folder: Path) -> tuple[list[str], dict | None]:

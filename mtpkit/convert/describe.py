@@ -40,6 +40,7 @@ class Description:
     shards: int
     dtypes: dict[str, dict[str, int]]  # dtype -> {"tensors": n, "bytes": b}
     architecture: dict[str, Any]
+    config_form: dict[str, str]  # how the config is written: text_config nesting and head-dim dialect
     layer_types: dict[str, int]  # attention type -> layer count
     kv_producers: dict[str, int] | None  # targets only
     assistant: dict[str, Any] | None  # assistants only
@@ -60,6 +61,18 @@ def _parameters_in(info: TensorInfo, tensors: dict[str, TensorInfo]) -> int:
     if last == "weight" and info.dtype == "U8" and f"{module}.weight_scale_2" in tensors:  # ModelOpt NVFP4
         return info.numel * 2
     return info.numel
+
+
+def _config_form(prefix: str, text: dict) -> dict[str, str]:
+    # Google's files write global_head_dim / num_global_key_value_heads; transformers >= 5.15 re-saves
+    # them as per_layer_config. Loaders differ in which they read, so say which one this is.
+    if "per_layer_config" in text:
+        head_dims = "per_layer_config"
+    elif "global_head_dim" in text:
+        head_dims = "global_head_dim"
+    else:
+        head_dims = "default"
+    return {"text_config": "nested" if prefix else "flat", "head_dims": head_dims}
 
 
 def describe(checkpoint: Checkpoint, *, path: str | None = None) -> Description:
@@ -108,6 +121,7 @@ def describe(checkpoint: Checkpoint, *, path: str | None = None) -> Description:
         shards=len(checkpoint.shards),
         dtypes=dict(sorted(dtypes.items())),
         architecture={key: text.get(key) for key in _ARCH_KEYS if key in text},
+        config_form=_config_form(prefix, text),
         layer_types={t: layer_types.count(t) for t in gemma4.ATTENTION_TYPES if t in layer_types},
         kv_producers=kv,
         assistant=assistant,

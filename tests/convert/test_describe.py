@@ -66,11 +66,14 @@ def test_e2b_like_has_its_structure(tiny, cli):
     # Unshared layers 0-3 are S,S,F,S: the full producer is layer 2, not the last unshared layer.
     assert facts["kv_producers"] == {"sliding_attention": 3, "full_attention": 2}
     assert facts["architecture"]["num_kv_shared_layers"] == 3
+    # transformers 5.24's save_pretrained writes the per-layer dialect.
+    assert facts["config_form"] == {"text_config": "flat", "head_dims": "per_layer_config"}
 
 
 def test_config_only_reference_folders(cli):
     facts = json.loads(cli("inspect", EXAMPLES / "gemma-4-26B-A4B-it-assistant", "--json").out)
     assert facts["config_only"] is True and facts["num_parameters"] is None and facts["num_tensors"] == 0
+    assert facts["config_form"] == {"text_config": "nested", "head_dims": "global_head_dim"}
     assert facts["assistant"] == {"backbone_hidden_size": 2816, "use_ordered_embeddings": False,
                                   "num_centroids": 2048, "centroid_intermediate_top_k": 32,
                                   "tie_word_embeddings": True}
