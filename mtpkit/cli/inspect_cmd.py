@@ -11,9 +11,8 @@ from rich.table import Table
 from mtpkit.cli.app import app
 from mtpkit.cli.console import out, warn
 from mtpkit.cli.options import Json, Revision
-from mtpkit.convert.checkpoint import open_checkpoint
 from mtpkit.convert.describe import Description, describe
-from mtpkit.convert.source import resolve_source
+from mtpkit.convert.source import open_source
 
 
 def _size(n: int) -> str:
@@ -65,9 +64,7 @@ def inspect_command(
     as_json: Json = False,
 ) -> None:
     """Describe a checkpoint: role, quantization, parameters, dtypes and the KV-producer map."""
-    source = resolve_source(src, revision=revision, weights=weights)
-    read_tensors = source.repo_id is None or weights
-    checkpoint = open_checkpoint(source.folder, allowed_root=source.allowed_root, read_tensors=read_tensors)
+    checkpoint = open_source(src, revision=revision, weights=weights)
     description = describe(checkpoint, path=src)
     if as_json:
         print(json.dumps(description.to_json(), indent=2))

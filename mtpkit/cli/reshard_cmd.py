@@ -10,9 +10,8 @@ import typer
 from mtpkit.cli.app import app
 from mtpkit.cli.console import byte_progress, out
 from mtpkit.cli.options import Force, Json, MaxShardSize, Revision
-from mtpkit.convert.checkpoint import open_checkpoint
 from mtpkit.convert.reshard import reshard
-from mtpkit.convert.source import resolve_source
+from mtpkit.convert.source import open_source
 from mtpkit.convert.writer import DEFAULT_MAX_SHARD_SIZE
 
 
@@ -26,8 +25,7 @@ def reshard_command(
     as_json: Json = False,
 ) -> None:
     """Rewrite a checkpoint's safetensors shards with a new maximum shard size."""
-    source = resolve_source(src, revision=revision)
-    checkpoint = open_checkpoint(source.folder, allowed_root=source.allowed_root)
+    checkpoint = open_source(src, revision=revision)
     with byte_progress("re-sharding", checkpoint.total_bytes) as advance:
         result = reshard(checkpoint, dest, max_shard_size=max_shard_size, force=force,
                          on_tensor=lambda spec: advance(spec.nbytes))

@@ -11,11 +11,13 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from mtpkit.convert.safetensors_file import SafetensorsHeader, TensorInfo, load_tensor, read_header
 from mtpkit.errors import CheckpointError, ConfigError, PickleRefusedError, SourceNotFoundError
+
+if TYPE_CHECKING:
+    import torch
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -40,8 +42,9 @@ def read_json(path: Path, *, what: str = "JSON") -> dict:
         raise ConfigError(f"cannot be read ({e.strerror})", where=path) from e
     except UnicodeDecodeError as e:
         raise ConfigError(f"is not UTF-8 text (byte {e.start})", where=path, fix=f"rewrite it as UTF-8 {what}") from e
-    except ValueError as e:
-        raise ConfigError(f"is not valid {what} ({e})", where=path, fix="fix the syntax or restore the original file") from e
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser's stack
+        raise ConfigError(f"is not valid {what} ({type(e).__name__}: {e})", where=path,
+                          fix="fix the syntax or restore the original file") from e
     if not isinstance(value, dict):
         raise ConfigError(f"holds a JSON {type(value).__name__}, not an object", where=path, fix="restore the original file")
     return value
@@ -150,8 +153,12 @@ def _shard_names(folder: Path) -> tuple[list[str], dict | None]:
                 raise CheckpointError(f"names shard {shard!r} outside the folder", where=index_path,
                                       fix="shard names must be plain file names inside the folder")
         return sorted(set(weight_map.values())), index
-    if (folder / SINGLE_FILE).is_file():
+    single = folder / SINGLE_FILE
+    if single.is_file():
         return [SINGLE_FILE], None
+    if single.exists() or single.is_symlink():
+        raise CheckpointError("is not a readable file (a folder, or a broken link)", where=single,
+                              fix="restore model.safetensors")
     # No index and no model.safetensors: take any top-level safetensors files (some tools name them freely).
     return sorted(p.name for p in folder.glob("*.safetensors")), None
 

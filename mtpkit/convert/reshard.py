@@ -13,6 +13,7 @@ from pathlib import Path
 
 from mtpkit.convert.atomic import atomic_output_dir
 from mtpkit.convert.checkpoint import Checkpoint
+from mtpkit.convert.describe import describe
 from mtpkit.convert.writer import DEFAULT_MAX_SHARD_SIZE, TensorSpec, parse_shard_size, write_checkpoint_tensors
 from mtpkit.errors import CheckpointError
 
@@ -45,6 +46,7 @@ def reshard(checkpoint: Checkpoint, out: str | Path, *, max_shard_size: str | in
     if checkpoint.config_only:
         raise CheckpointError("has no safetensors weights to re-shard", where=checkpoint.folder,
                               fix="point at a folder with model.safetensors or an index and its shards")
+    describe(checkpoint)  # a Gemma 4 config that mtpkit can read, checked before anything is written
     parse_shard_size(max_shard_size)  # refuse a bad size before creating anything
     out = Path(out)
     specs = [TensorSpec.of(info) for info in checkpoint.tensors.values()]

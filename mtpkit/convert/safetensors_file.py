@@ -15,12 +15,13 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
-
-import torch
+from typing import TYPE_CHECKING, BinaryIO
 
 from mtpkit.errors import CheckpointError
-from mtpkit.formats.dtypes import SAFETENSORS_TO_TORCH
+from mtpkit.formats.dtypes import SAFETENSORS_DTYPES, itemsize, torch_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 # safetensors' own limit on the JSON header (its Rust MAX_HEADER_SIZE).
 MAX_HEADER_BYTES = 100_000_000
@@ -92,8 +93,8 @@ def read_header(path: Path) -> SafetensorsHeader:
         raise CheckpointError(f"cannot be read ({e.strerror})", where=path) from e
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicate_keys)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"header is not valid JSON ({e})", where=path, fix=_CORRUPT_FIX) from e
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"header is not valid JSON ({type(e).__name__}: {e})", where=path, fix=_CORRUPT_FIX) from e
     if not isinstance(header, dict):
         raise CheckpointError("header is not a JSON object", where=path, fix=_CORRUPT_FIX)
     data_start = 8 + header_len
@@ -113,15 +114,15 @@ def _tensor_info(path: Path, name: str, entry: object, data_start: int) -> Tenso
     if not isinstance(entry, dict):
         raise CheckpointError("header entry is not an object", where=where, fix=_CORRUPT_FIX)
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in SAFETENSORS_TO_TORCH:
-        known = ", ".join(SAFETENSORS_TO_TORCH)
+    if dtype not in SAFETENSORS_DTYPES:
+        known = ", ".join(SAFETENSORS_DTYPES)
         raise CheckpointError(f"unknown dtype {dtype!r} (known: {known})", where=where, fix="write it with a current safetensors")
     if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
         raise CheckpointError(f"shape {shape!r} is not a list of non-negative integers", where=where, fix=_CORRUPT_FIX)
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
         raise CheckpointError(f"data_offsets {offsets!r} are not two non-negative integers", where=where, fix=_CORRUPT_FIX)
     begin, end = offsets
-    expected = math.prod(shape) * SAFETENSORS_TO_TORCH[dtype].itemsize
+    expected = math.prod(shape) * itemsize(dtype)
     if end < begin or end - begin != expected:
         raise CheckpointError(
             f"holds {end - begin} bytes but shape {shape} of {dtype} needs {expected}", where=where, fix=_CORRUPT_FIX
@@ -148,7 +149,9 @@ def load_tensor(info: TensorInfo) -> torch.Tensor:
 
     The mapping is released when the tensor (and every view of it) is garbage-collected.
     """
-    dtype = SAFETENSORS_TO_TORCH[info.dtype]
+    import torch  # here, not at module level: listing and copying never need it
+
+    dtype = torch_dtype(info.dtype)
     if info.nbytes == 0:
         return torch.empty(info.shape, dtype=dtype)
     aligned = info.start - info.start % _PAGE

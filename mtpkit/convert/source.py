@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from mtpkit.convert.checkpoint import Checkpoint, open_checkpoint
 from mtpkit.errors import SourceNotFoundError
 
 # Files a conversion needs besides the weights; everything else in a repo (pickles, ONNX, GGUF) is skipped.
@@ -84,3 +85,21 @@ def _from_hub(repo_id: str, revision: str | None, weights: bool, local_files_onl
     folder = Path(folder)
     # snapshots/<commit>/file -> ../../blobs/<hash>: links may point anywhere inside the repo's cache folder.
     return Source(folder, repo_id, revision, allowed_root=folder.parent.parent)
+
+
+def open_source(src: str | Path, *, revision: str | None = None, weights: bool = True,
+                local_files_only: bool = False) -> Checkpoint:
+    """Resolve `src` and open it. With `weights`, a Hub snapshot must hold its safetensors.
+
+    A local folder is read as it is (config-only when it has no weights); a Hub repo without
+    `weights` is opened config-only, without fetching gigabytes.
+    """
+    source = resolve_source(src, revision=revision, weights=weights, local_files_only=local_files_only)
+    from_hub = source.repo_id is not None
+    checkpoint = open_checkpoint(source.folder, allowed_root=source.allowed_root, read_tensors=weights or not from_hub)
+    if from_hub and weights and checkpoint.config_only:
+        # Offline, huggingface_hub returns whatever part of the snapshot is cached (e.g. the configs an
+        # earlier config-only inspect fetched).
+        raise SourceNotFoundError("the cached snapshot holds no safetensors weights", where=source.repo_id,
+                                  fix="run again with network access (HF_HUB_OFFLINE unset) to download them")
+    return checkpoint

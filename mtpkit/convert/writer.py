@@ -14,14 +14,17 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from huggingface_hub import split_state_dict_into_shards_factory
 
 from mtpkit.convert.checkpoint import INDEX_FILE
 from mtpkit.convert.safetensors_file import TensorInfo, copy_tensor_bytes, read_header
 from mtpkit.errors import OutputError
-from mtpkit.formats.dtypes import SAFETENSORS_TO_TORCH, safetensors_dtype
+from mtpkit.formats.dtypes import itemsize, safetensors_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 FILENAME_PATTERN = "model{suffix}.safetensors"
@@ -37,7 +40,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * SAFETENSORS_TO_TORCH[self.dtype].itemsize
+        return math.prod(self.shape) * itemsize(self.dtype)
 
     @classmethod
     def of(cls, info: TensorInfo) -> TensorSpec:
@@ -84,7 +87,7 @@ def plan_shards(specs: list[TensorSpec], max_shard_size: str | int) -> dict[str,
 def _data_order(specs: list[TensorSpec]) -> list[TensorSpec]:
     # Wider dtypes first, as safetensors itself orders data: with the 8-byte padded header this keeps
     # every tensor aligned to its element size, so readers can map it without a copy.
-    return sorted(specs, key=lambda s: (-SAFETENSORS_TO_TORCH[s.dtype].itemsize, s.name))
+    return sorted(specs, key=lambda s: (-itemsize(s.dtype), s.name))
 
 
 def shard_header(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
@@ -143,6 +146,8 @@ def _write_one(out, spec: TensorSpec, data: torch.Tensor | TensorInfo, path: Pat
             f"planned {spec.dtype}{list(spec.shape)}", where=path)
     if spec.nbytes == 0:
         return
+    import torch
+
     raw = data.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
     view = memoryview(raw)
     while view:  # a raw (unbuffered) write may be partial

@@ -1,39 +1,59 @@
-"""The safetensors dtype strings mtpkit reads and writes, and their torch equivalents."""
+"""The safetensors dtype strings mtpkit reads and writes, their sizes, and their torch equivalents.
+
+Sizes are known without torch so that listing, planning and raw copying (inspect, reshard) never pay
+for importing it; torch is imported only when a tensor is actually materialised.
+"""
 
 from __future__ import annotations
 
-import torch
+from functools import cache
+from typing import TYPE_CHECKING
 
-# On-disk name -> torch dtype. The names are safetensors' own (its Rust `Dtype` enum).
-SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "U16": torch.uint16,
-    "I16": torch.int16,
-    "U32": torch.uint32,
-    "I32": torch.int32,
-    "U64": torch.uint64,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "C64": torch.complex64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E8M0": torch.float8_e8m0fnu,
+if TYPE_CHECKING:
+    import torch
+
+# On-disk name (safetensors' Rust `Dtype` enum) -> (bytes per element, torch attribute name).
+_DTYPES: dict[str, tuple[int, str]] = {
+    "BOOL": (1, "bool"),
+    "U8": (1, "uint8"),
+    "I8": (1, "int8"),
+    "U16": (2, "uint16"),
+    "I16": (2, "int16"),
+    "U32": (4, "uint32"),
+    "I32": (4, "int32"),
+    "U64": (8, "uint64"),
+    "I64": (8, "int64"),
+    "F16": (2, "float16"),
+    "BF16": (2, "bfloat16"),
+    "F32": (4, "float32"),
+    "F64": (8, "float64"),
+    "C64": (8, "complex64"),
+    "F8_E4M3": (1, "float8_e4m3fn"),
+    "F8_E5M2": (1, "float8_e5m2"),
+    "F8_E8M0": (1, "float8_e8m0fnu"),
 }
-TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_TO_TORCH.items()}
+SAFETENSORS_DTYPES = tuple(_DTYPES)
 
 
 def itemsize(dtype: str) -> int:
     """Bytes per element of an on-disk dtype name (KeyError for an unknown one)."""
-    return SAFETENSORS_TO_TORCH[dtype].itemsize
+    return _DTYPES[dtype][0]
+
+
+@cache
+def _torch_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    import torch
+
+    to_torch = {name: getattr(torch, attr) for name, (_, attr) in _DTYPES.items()}
+    return to_torch, {v: k for k, v in to_torch.items()}
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    return _torch_tables()[0][dtype]
 
 
 def safetensors_dtype(dtype: torch.dtype) -> str:
     try:
-        return TORCH_TO_SAFETENSORS[dtype]
+        return _torch_tables()[1][dtype]
     except KeyError:
         raise ValueError(f"torch dtype {dtype} has no safetensors name") from None

@@ -9,7 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mtpkit.convert.safetensors_file import load_tensor, read_header
-from mtpkit.formats.dtypes import SAFETENSORS_TO_TORCH
+from mtpkit.formats.dtypes import torch_dtype
 
 MIXED = {
     "bf16.matrix": torch.randn(33, 17).to(torch.bfloat16),
@@ -68,8 +68,7 @@ def test_any_safetensors_file_reads_like_the_reference(tmp_path_factory, spec):
     path = tmp_path_factory.mktemp("h") / "x.safetensors"
     tensors = {}
     for name, (dtype, shape) in spec.items():
-        torch_dtype = SAFETENSORS_TO_TORCH[dtype]
-        tensors[name] = torch.randint(0, 100, shape).to(torch_dtype)
+        tensors[name] = torch.randint(0, 100, shape).to(torch_dtype(dtype))
     save_file(tensors, path)
     reference = load_file(path)
     header = read_header(path)
