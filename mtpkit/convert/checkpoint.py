@@ -100,7 +100,6 @@ class Checkpoint:
                 continue
             if rel.as_posix() in weight_files or path.suffix in PICKLE_SUFFIXES or path.suffix == ".safetensors":
                 continue
-            check_inside(path, self.allowed_root or self.folder)
             keep.append(path)
         return keep
 
@@ -116,8 +115,7 @@ def open_checkpoint(folder: str | Path, *, allowed_root: Path | None = None, rea
     if not folder.is_dir():
         raise SourceNotFoundError("is a file, not a checkpoint folder", where=folder, fix="pass the folder that holds config.json")
     root = allowed_root or folder
-    if (folder / "config.json").exists():
-        check_inside(folder / "config.json", root)
+    _check_links(folder, root)
     config = read_json(folder / "config.json", what="JSON config")
     if not read_tensors:
         return Checkpoint(folder, config, allowed_root=allowed_root)
@@ -128,7 +126,6 @@ def open_checkpoint(folder: str | Path, *, allowed_root: Path | None = None, rea
         if not path.is_file():
             raise CheckpointError(f"names shard {name!r}, which is missing", where=folder / INDEX_FILE,
                                   fix="download the missing shard, or regenerate the index")
-        check_inside(path, root)
         shards.append(read_header(path))
     tensors = _merge(folder, shards)
     if index_metadata is not None:
@@ -138,6 +135,15 @@ def open_checkpoint(folder: str | Path, *, allowed_root: Path | None = None, rea
     ordered = dict(sorted(tensors.items()))
     return Checkpoint(folder, config, shards, ordered, index_metadata.get("metadata") if index_metadata else None,
                       allowed_root)
+
+
+def _check_links(folder: Path, root: Path) -> None:
+    # Every file a command may read or copy must stay inside the checkpoint (the Hub cache: inside the
+    # repo's cache folder), so a link to /etc/... or another user's files never leaks into an output.
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder)
+        if path.is_symlink() and not any(part.startswith(".") for part in rel.parts):
+            check_inside(path, root)
 
 
 def _shard_names(folder: Path) -> tuple[list[str], dict | None]:

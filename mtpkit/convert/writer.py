@@ -120,7 +120,7 @@ def write_checkpoint_tensors(
     for filename, shard_specs in plan.items():
         path = folder / filename
         with open(path, "wb", buffering=0) as out:
-            out.write(shard_header(shard_specs, meta))
+            _write_all(out, shard_header(shard_specs, meta))
             for spec in shard_specs:
                 _write_one(out, spec, produce(spec), path)
                 if on_tensor:
@@ -148,8 +148,11 @@ def _write_one(out, spec: TensorSpec, data: torch.Tensor | TensorInfo, path: Pat
         return
     import torch
 
-    raw = data.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-    view = memoryview(raw)
+    _write_all(out, data.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _write_all(out, data) -> None:
+    view = memoryview(data).cast("B")
     while view:  # a raw (unbuffered) write may be partial
         written = out.write(view)
         view = view[written:]

@@ -20,6 +20,8 @@ NONCANONICAL_ASSISTANT_TYPES = ("gemma4_mtp",)
 ATTENTION_TYPES = ("sliding_attention", "full_attention")
 # transformers' default when a config omits layer_types: five sliding layers, then one full.
 _DEFAULT_SLIDING_PATTERN = 6
+# Far above any Gemma 4 model (60 layers at most); a bound so a typo cannot make us build huge lists.
+MAX_LAYERS = 10_000
 
 
 def role_of(config: dict, where: str = "config.json") -> str:
@@ -48,21 +50,22 @@ def text_config_of(config: dict, where: str = "config.json") -> tuple[dict, str]
 
 
 def get_int(cfg: dict, key: str, *, prefix: str = "", where: str = "config.json", default: Any = ...,
-            minimum: int = 0) -> int:
-    """cfg[key] as an int >= minimum; a missing key takes `default` (or is an error without one)."""
+            minimum: int = 0, maximum: int | None = None) -> int:
+    """cfg[key] as an int in [minimum, maximum]; a missing key takes `default` (or is an error without one)."""
     if key not in cfg or cfg[key] is None:
         if default is ...:
             raise ConfigError(f"{prefix}{key} is missing", where=where, fix=f"add {prefix}{key} to the config")
         return default
     value = cfg[key]
-    if type(value) is not int or value < minimum:
-        raise ConfigError(f"{prefix}{key} is {value!r}, expected an integer >= {minimum}", where=where,
+    if type(value) is not int or value < minimum or (maximum is not None and value > maximum):
+        expected = f"an integer from {minimum} to {maximum}" if maximum is not None else f"an integer >= {minimum}"
+        raise ConfigError(f"{prefix}{key} is {value!r}, expected {expected}", where=where,
                           fix="restore the value from the original config")
     return value
 
 
 def layer_types_of(text: dict, *, prefix: str = "", where: str = "config.json") -> list[str]:
-    num_layers = get_int(text, "num_hidden_layers", prefix=prefix, where=where, minimum=1)
+    num_layers = get_int(text, "num_hidden_layers", prefix=prefix, where=where, minimum=1, maximum=MAX_LAYERS)
     layer_types = text.get("layer_types")
     if layer_types is None:
         # Mirror transformers' Gemma4TextConfig default, including its forced full last layer.
