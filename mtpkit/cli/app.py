@@ -24,6 +24,22 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from mtpkit import __version__
+
+        print(f"mtp-convert {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """Make Gemma 4 target + assistant (MTP) pairs right before they reach a GPU, and run them."""
+
+
 def _register() -> None:
     # Importing a command module registers it on `app`.
     from mtpkit.cli import inspect_cmd, reshard_cmd  # noqa: F401

@@ -107,3 +107,23 @@ def test_reshard_full_disk_is_one_line_and_leaves_nothing(tiny, tmp_path):
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir() if "mtpkit-tmp" in p.name] == []
     assert tree_digest(src) == before
+
+
+def test_output_is_identical_across_processes_and_hash_seeds(tiny, tmp_path):
+    """Same input, same bytes: two separate processes with different PYTHONHASHSEED write the same tree."""
+    digests = []
+    for seed in ("1", "2"):
+        out = tmp_path / f"out-{seed}"
+        env = {**_env(), "PYTHONHASHSEED": seed}
+        result = subprocess.run([*ENTRY_POINTS["module"], "reshard", str(tiny("e2b_like")), str(out),
+                                 "--max-shard-size", "50KB"], capture_output=True, text=True, env=env, timeout=120)
+        assert result.returncode == 0, result.stderr
+        digests.append(tree_digest(out))
+    assert len(digests[0]) > 3 and digests[0] == digests[1]
+
+
+def test_version(tmp_path):
+    from importlib.metadata import version
+
+    result = run("script", "--version", cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout.strip() == f"mtp-convert {version('mtpkit')}"
