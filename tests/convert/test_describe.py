@@ -113,3 +113,18 @@ def test_packed_fp4_weights_count_two_parameters_per_byte(tmp_path):
         (folder / "config.json").write_text(json.dumps(config))
         save_file(tensors, folder / "model.safetensors")
         assert describe(open_checkpoint(folder)).num_parameters == out_features * in_features
+
+
+@pytest.mark.parametrize(("model", "producers"), [("E2B", (13, 14)), ("E4B", (22, 23)), ("26B-A4B", (28, 29)),
+                                                  ("31B", (58, 59))])
+def test_inspect_json_on_the_full_size_reference_configs(cli, model, producers):
+    """The published KV producers (sliding / full) of the four public pairs, through the CLI."""
+    result = cli("inspect", EXAMPLES / f"gemma-4-{model}-it", "--json")
+    assert result.code == 0 and result.err == ""
+    facts = json.loads(result.out)
+    assert facts["kv_producers"] == {"sliding_attention": producers[0], "full_attention": producers[1]}
+    assert (facts["role"], facts["family"], facts["quantization"]) == ("target", "gemma4", None)
+    assistant = json.loads(cli("inspect", EXAMPLES / f"gemma-4-{model}-it-assistant", "--json").out)
+    assert assistant["role"] == "assistant" and assistant["kv_producers"] is None
+    # The assistant was trained on this target's hidden size.
+    assert assistant["assistant"]["backbone_hidden_size"] == facts["architecture"]["hidden_size"]
