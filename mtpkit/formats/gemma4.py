@@ -122,3 +122,51 @@ def assistant_fields(config: dict) -> dict[str, Any]:
     keys = ("backbone_hidden_size", "use_ordered_embeddings", "num_centroids", "centroid_intermediate_top_k",
             "tie_word_embeddings")
     return {key: config.get(key) for key in keys}
+
+
+# transformers' Gemma4TextConfig pops `global_head_dim` with this default when a config omits it.
+DEFAULT_GLOBAL_HEAD_DIM = 512
+DEFAULT_HEAD_DIM = 256
+
+
+def attention_geometry(text: dict, *, prefix: str = "", where: str = "config.json") -> dict[str, dict[str, Any]]:
+    """Per attention type: head_dim, num_key_value_heads and k_eq_v, as transformers resolves them.
+
+    Reads both dialects: Google's flat `global_head_dim` / `num_global_key_value_heads`, and the
+    `per_layer_config` ({"<layer index>": {"head_dim": .., "num_key_value_heads": ..}}) that
+    transformers >= 5.15 writes. Layers of one type must agree (Gemma 4 has one geometry per type).
+    """
+    layer_types = layer_types_of(text, prefix=prefix, where=where)
+    head_dim = get_int(text, "head_dim", prefix=prefix, where=where, default=DEFAULT_HEAD_DIM, minimum=1)
+    kv_heads = get_int(text, "num_key_value_heads", prefix=prefix, where=where, default=4, minimum=1)
+    k_eq_v = text.get("attention_k_eq_v") is True
+    per_layer = text.get("per_layer_config")
+    if per_layer is not None and not isinstance(per_layer, dict):
+        raise ConfigError(f"{prefix}per_layer_config is not an object", where=where, fix="restore it from the original")
+    layers = []
+    for index, layer_type in enumerate(layer_types):
+        if per_layer is not None:
+            override = per_layer.get(str(index)) or {}
+            if not isinstance(override, dict):
+                raise ConfigError(f"{prefix}per_layer_config.{index} is not an object", where=where,
+                                  fix="restore it from the original")
+            geometry = {"head_dim": override.get("head_dim", head_dim),
+                        "num_key_value_heads": override.get("num_key_value_heads", kv_heads)}
+        elif layer_type == "full_attention":
+            global_kv = text.get("num_global_key_value_heads")
+            geometry = {
+                "head_dim": get_int(text, "global_head_dim", prefix=prefix, where=where,
+                                    default=DEFAULT_GLOBAL_HEAD_DIM, minimum=1),
+                # transformers applies the global KV-head count only together with attention_k_eq_v.
+                "num_key_value_heads": global_kv if k_eq_v and global_kv is not None else kv_heads,
+            }
+        else:
+            geometry = {"head_dim": head_dim, "num_key_value_heads": kv_heads}
+        geometry["k_eq_v"] = k_eq_v and layer_type == "full_attention"
+        layers.append((layer_type, geometry))
+    result: dict[str, dict[str, Any]] = {}
+    for layer_type, geometry in layers:
+        if result.setdefault(layer_type, geometry) != geometry:
+            raise ConfigError(f"{prefix}per_layer_config gives {layer_type} layers different head geometries",
+                              where=where, fix="Gemma 4 uses one head_dim and KV-head count per attention type")
+    return result
