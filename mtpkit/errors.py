@@ -12,6 +12,8 @@ from pathlib import Path
 class MtpkitError(Exception):
     """Base class of every error mtpkit raises on bad input or a refused operation."""
 
+    exit_code = 2  # what the CLI exits with
+
     def __init__(self, what: str, *, where: str | Path | None = None, fix: str | None = None):
         self.what = what
         self.where = str(where) if where is not None else None
@@ -47,3 +49,16 @@ class PickleRefusedError(CheckpointError):
 
 class OutputError(MtpkitError):
     """The destination cannot be written (it exists, lies inside the source, or a write failed)."""
+
+
+class PairCheckError(MtpkitError):
+    """The pair was readable but failed validation; `findings` holds the check results.
+
+    Exit code 1, as `check` uses for errors (2 stays for unusable input).
+    """
+
+    exit_code = 1
+
+    def __init__(self, what: str, *, findings: list, where: str | Path | None = None, fix: str | None = None):
+        self.findings = findings
+        super().__init__(what, where=where, fix=fix)

@@ -42,7 +42,7 @@ def _root(
 
 def _register() -> None:
     # Importing a command module registers it on `app`.
-    from mtpkit.cli import draft_cmd, inspect_cmd, reshard_cmd  # noqa: F401
+    from mtpkit.cli import check_cmd, draft_cmd, inspect_cmd, pair_cmd, reshard_cmd  # noqa: F401
 
 
 def _debug() -> bool:
@@ -56,8 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     except MtpkitError as e:
         if _debug():
             traceback.print_exc()
+        for finding in getattr(e, "findings", []):
+            print(f"{finding.severity} [{finding.id}] {finding.message}", file=sys.stderr)
         print(f"mtp-convert: error: {e.one_line()}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(e.exit_code)
     except KeyboardInterrupt:
         print("mtp-convert: interrupted; no output was written", file=sys.stderr)
         sys.exit(130)

@@ -69,6 +69,7 @@ class Checkpoint:
     tensors: dict[str, TensorInfo] = field(default_factory=dict)  # sorted by name
     index_metadata: dict | None = None
     allowed_root: Path | None = None  # where symlinks may point; None: inside `folder`
+    origin: dict | None = None  # for a Hub source: repo_id, revision, commit
 
     @property
     def config_only(self) -> bool:

@@ -55,8 +55,37 @@ def quantized_tensors(tensors: dict[str, TensorInfo]) -> list[TensorInfo]:
             if (t.dtype not in FLOAT_DTYPES and not name.endswith(_INTEGER_TENSORS)) or name.rsplit(".", 1)[-1] in scales]
 
 
+@dataclass(frozen=True)
+class DraftPlan:
+    """Everything `draft` will write, decided (and validated) before any byte is written."""
+
+    checkpoint: Checkpoint
+    config: dict
+    rules: list[RuleApplication]
+    history: list[dict]
+    specs: list[TensorSpec]
+    cast: set[str]
+
+    def write_into(self, folder: Path, on_tensor: Callable[[TensorSpec], None] | None = None) -> None:
+        """Write the canonical assistant into an existing empty folder."""
+        if self.specs:
+            write_checkpoint_tensors(folder, self.specs, lambda spec: _produce(self.checkpoint, spec, self.cast),
+                                     on_tensor=on_tensor)
+        (folder / "config.json").write_text(dump_json(self.config), encoding="utf-8")
+        copy_other_files(self.checkpoint, folder, skip={"config.json", HF_QUANT_CONFIG, REPORT_FILE})
+        (folder / REPORT_FILE).write_text(dump_json({"tool": "mtp-convert draft", "rules": self.history}),
+                                          encoding="utf-8")
+
+
 def draft(checkpoint: Checkpoint, out: str | Path, *, dialect: str = "flat", dtype: str = "bfloat16",
           force: bool = False, on_tensor: Callable[[TensorSpec], None] | None = None) -> DraftResult:
+    plan = plan_draft(checkpoint, dialect=dialect, dtype=dtype)
+    with atomic_output_dir(out, force=force, sources=(checkpoint.folder,)) as tmp:
+        plan.write_into(tmp, on_tensor)
+    return DraftResult(Path(out), plan.rules, plan.history, len(plan.specs), len(plan.cast))
+
+
+def plan_draft(checkpoint: Checkpoint, *, dialect: str = "flat", dtype: str = "bfloat16") -> DraftPlan:
     where = str(checkpoint.folder / "config.json")
     if not is_assistant(checkpoint):
         gemma4.role_of(checkpoint.config, where)  # an unknown model_type gets its own message
@@ -83,14 +112,7 @@ def draft(checkpoint: Checkpoint, out: str | Path, *, dialect: str = "flat", dty
         rules.append(RuleApplication("strip-quantization", HF_QUANT_CONFIG, "present", ABSENT,
                                      "a ModelOpt config copied from the target would make vLLM quantize the draft"))
     history = _history(checkpoint) + [r.to_json() for r in rules]
-
-    with atomic_output_dir(out, force=force, sources=(checkpoint.folder,)) as tmp:
-        if specs:
-            write_checkpoint_tensors(tmp, specs, lambda spec: _produce(checkpoint, spec, cast), on_tensor=on_tensor)
-        (tmp / "config.json").write_text(dump_json(config), encoding="utf-8")
-        copy_other_files(checkpoint, tmp, skip={"config.json", HF_QUANT_CONFIG, REPORT_FILE})
-        (tmp / REPORT_FILE).write_text(dump_json({"tool": "mtp-convert draft", "rules": history}), encoding="utf-8")
-    return DraftResult(Path(out), rules, history, len(specs), len(cast))
+    return DraftPlan(checkpoint, config, rules, history, specs, cast)
 
 
 def dump_json(value: dict) -> str:

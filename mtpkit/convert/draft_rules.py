@@ -173,12 +173,13 @@ def _to_per_layer_dialect(rw: _Rewrite, where: str) -> None:
     text = rw.config["text_config"]
     geometry = gemma4.attention_geometry(text, prefix="text_config.", where=where)
     layer_types = gemma4.layer_types_of(text, prefix="text_config.", where=where)
-    per_layer = {}
+    overrides = {}
     for index, layer_type in enumerate(layer_types):
         override = {k: geometry[layer_type][k] for k in ("head_dim", "num_key_value_heads")
                     if geometry[layer_type][k] != text.get(k)}  # transformers writes only what differs
         if override:
-            per_layer[str(index)] = override
+            overrides[index] = override
+    per_layer = {gemma4.per_layer_key(i, max(overrides)): o for i, o in overrides.items()}
     reason = "--dialect per-layer: the form transformers >= 5.15 writes"
     rw.set("head-dim-dialect", "text_config.per_layer_config", per_layer, reason)
     rw.remove("head-dim-dialect", "text_config.global_head_dim", reason)

@@ -102,4 +102,6 @@ def open_source(src: str | Path, *, revision: str | None = None, weights: bool =
         # earlier config-only inspect fetched).
         raise SourceNotFoundError("the cached snapshot holds no safetensors weights", where=source.repo_id,
                                   fix="run again with network access (HF_HUB_OFFLINE unset) to download them")
+    if from_hub:
+        checkpoint.origin = {"repo_id": source.repo_id, "revision": source.revision, "commit": source.folder.name}
     return checkpoint

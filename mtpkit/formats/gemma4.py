@@ -129,6 +129,26 @@ DEFAULT_GLOBAL_HEAD_DIM = 512
 DEFAULT_HEAD_DIM = 256
 
 
+def _per_layer_overrides(per_layer: Any, prefix: str, where: str) -> dict[int, dict] | None:
+    """per_layer_config keyed by int layer index (transformers writes zero-padded strings: "05", "11")."""
+    if per_layer is None:
+        return None
+    if not isinstance(per_layer, dict):
+        raise ConfigError(f"{prefix}per_layer_config is not an object", where=where, fix="restore it from the original")
+    overrides = {}
+    for key, value in per_layer.items():
+        if not (isinstance(key, str) and key.isdigit() and isinstance(value, dict)):
+            raise ConfigError(f"{prefix}per_layer_config.{key} is not a layer index mapped to an object", where=where,
+                              fix="restore per_layer_config from the original")
+        overrides[int(key)] = value
+    return overrides
+
+
+def per_layer_key(index: int, highest: int) -> str:
+    """transformers' key spelling: zero-padded to the widest index present, so keys sort numerically."""
+    return str(index).zfill(len(str(highest)))
+
+
 def attention_geometry(text: dict, *, prefix: str = "", where: str = "config.json") -> dict[str, dict[str, Any]]:
     """Per attention type: head_dim, num_key_value_heads and k_eq_v, as transformers resolves them.
 
@@ -140,16 +160,11 @@ def attention_geometry(text: dict, *, prefix: str = "", where: str = "config.jso
     head_dim = get_int(text, "head_dim", prefix=prefix, where=where, default=DEFAULT_HEAD_DIM, minimum=1)
     kv_heads = get_int(text, "num_key_value_heads", prefix=prefix, where=where, default=4, minimum=1)
     k_eq_v = text.get("attention_k_eq_v") is True
-    per_layer = text.get("per_layer_config")
-    if per_layer is not None and not isinstance(per_layer, dict):
-        raise ConfigError(f"{prefix}per_layer_config is not an object", where=where, fix="restore it from the original")
+    per_layer = _per_layer_overrides(text.get("per_layer_config"), prefix, where)
     layers = []
     for index, layer_type in enumerate(layer_types):
         if per_layer is not None:
-            override = per_layer.get(str(index)) or {}
-            if not isinstance(override, dict):
-                raise ConfigError(f"{prefix}per_layer_config.{index} is not an object", where=where,
-                                  fix="restore it from the original")
+            override = per_layer.get(index, {})
             geometry = {"head_dim": override.get("head_dim", head_dim),
                         "num_key_value_heads": override.get("num_key_value_heads", kv_heads)}
         elif layer_type == "full_attention":
