@@ -151,8 +151,11 @@ def _centroids(p: _Pair) -> None:
 def _draft_shapes(p: _Pair) -> None:
     if p.draft.config_only:
         return
-    for name, expected in sorted(expected_draft_shapes(p.draft.config, p.d_text, p.d_prefix, p.d_where,
-                                                       layer_count(p.draft.tensors)).items()):
+    expected_shapes = expected_draft_shapes(p.draft.config, p.d_text, p.d_prefix, p.d_where,
+                                            layer_count(p.draft.tensors))
+    if "lm_head.weight" in p.draft.tensors:  # optional: tied to the embeddings when absent
+        expected_shapes["lm_head.weight"] = expected_shapes["model.embed_tokens.weight"]
+    for name, expected in sorted(expected_shapes.items()):
         info = p.draft.tensors.get(name)
         if info is None:
             p.error("draft-shapes", f"{p.draft.folder}: tensor {name} is missing (expected {list(expected)} from "

@@ -102,7 +102,13 @@ def plan_draft(checkpoint: Checkpoint, *, dialect: str = "flat", dtype: str = "b
             where=first.file, fix="vLLM serves the assistant unquantized: start from the BF16 assistant checkpoint")
     config, rules = canonical_config(checkpoint.config, checkpoint.tensors, dialect=dialect, dtype=dtype, where=where)
     target_dtype = DTYPE_NAMES[dtype]
-    specs, cast = _tensor_plan(checkpoint, target_dtype)
+    dropped = set()
+    if config.get("tie_word_embeddings") is True and "lm_head.weight" in checkpoint.tensors:
+        dropped.add("lm_head.weight")
+        rules.append(RuleApplication("tie-lm-head", "lm_head.weight", "present", ABSENT,
+                                     "tie_word_embeddings is true: loaders use the embedding table as lm_head, "
+                                     "so a stored copy is dead weight (and vLLM's loader does not expect it)"))
+    specs, cast = _tensor_plan(checkpoint, target_dtype, dropped)
     if cast:
         counts = Counter(checkpoint.tensors[name].dtype for name in cast)
         before = ", ".join(f"{n} {d}" for d, n in sorted(counts.items()))
@@ -120,9 +126,11 @@ def dump_json(value: dict) -> str:
     return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
-def _tensor_plan(checkpoint: Checkpoint, target_dtype: str) -> tuple[list[TensorSpec], set[str]]:
+def _tensor_plan(checkpoint: Checkpoint, target_dtype: str, dropped: set[str]) -> tuple[list[TensorSpec], set[str]]:
     specs, cast = [], set()
     for name, info in checkpoint.tensors.items():
+        if name in dropped:
+            continue
         if info.dtype in FLOAT_DTYPES and info.dtype != target_dtype:
             cast.add(name)
             specs.append(TensorSpec(name, target_dtype, info.shape))
