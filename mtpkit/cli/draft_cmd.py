@@ -40,6 +40,8 @@ def draft_command(
     dialect: Annotated[Dialect, typer.Option("--dialect", help="Head-dim dialect: flat (global_head_dim, as "
                                              "published) or per-layer (per_layer_config).")] = Dialect.flat,
     dtype: Annotated[DType, typer.Option("--dtype", help="dtype of the written weights.")] = DType.bfloat16,
+    dequantize: Annotated[bool, typer.Option("--dequantize", help="Make FP8 / NVFP4 weights dense again "
+                                             "(an assistant must not be quantized).")] = False,
     revision: Revision = None,
     force: Force = False,
     as_json: Json = False,
@@ -47,13 +49,15 @@ def draft_command(
     """Canonicalize an assistant: nest text_config, fix model_type and dialect, drop inherited quantization."""
     checkpoint = open_source(src, revision=revision)
     with byte_progress("drafting", checkpoint.total_bytes) as advance:
-        result = draft(checkpoint, dest, dialect=dialect.value, dtype=dtype.value, force=force,
+        result = draft(checkpoint, dest, dialect=dialect.value, dtype=dtype.value, dequantize=dequantize, force=force,
                        on_tensor=lambda spec: advance(spec.nbytes))
     if as_json:
         print(json.dumps({"output": str(result.folder), "rules": [r.to_json() for r in result.rules],
-                          "tensors": result.tensors, "cast": result.cast}, indent=2))
+                          "tensors": result.tensors, "cast": result.cast, "dequantized": result.dequantized},
+                         indent=2))
         return
     for rule in result.rules:
         out.print(format_rule(rule), markup=False, highlight=False)
     summary = f"{len(result.rules)} rule(s) applied" if result.rules else "already canonical: no rule applied"
-    out.print(f"wrote {result.folder}: {summary}; {result.tensors} tensors ({result.cast} cast)", highlight=False)
+    out.print(f"wrote {result.folder}: {summary}; {result.tensors} tensors ({result.cast} cast, "
+              f"{result.dequantized} dequantized)", highlight=False)

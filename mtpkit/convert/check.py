@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mtpkit.convert.checkpoint import Checkpoint
-from mtpkit.convert.draft import HF_QUANT_CONFIG, is_assistant, quantized_tensors
+from mtpkit.convert.draft import HF_QUANT_CONFIG, is_assistant
+from mtpkit.convert.draft_tensors import quantized_tensors
 from mtpkit.convert.draft_rules import QUANTIZATION_KEYS
 from mtpkit.convert.draft_shapes import layer_count
 from mtpkit.convert.safetensors_file import load_tensor

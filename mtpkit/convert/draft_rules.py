@@ -94,8 +94,10 @@ def canonical_config(config: dict, tensors: dict[str, TensorInfo], *, dialect: s
     _model_type(rw)
     conflicts = _nest(rw, text_config_keys())
     _quantization(rw)
-    _to_flat_dialect(rw, where)
     facts = shape_facts(rw.config["text_config"], tensors, where) if tensors else {}
+    # The layer count first: reading per_layer_config needs layer_types and num_hidden_layers to agree.
+    _dimensions(rw, {k: v for k, v in facts.items() if k == "num_hidden_layers"}, conflicts)
+    _to_flat_dialect(rw, where)
     _dimensions(rw, facts, conflicts)
     _invariants(rw)
     rw.set("dtype", "dtype", dtype, "weights are written in this dtype")

@@ -86,9 +86,13 @@ class Case:
     edit: Callable[[Path], None]
     rules: tuple[str, ...]  # rule ids that OUT/mtpkit_draft.json must record
     args: tuple[str, ...] = ()  # extra `draft` arguments
-    same_tensors: bool = True  # a pure config fix: OUT's tensor bytes equal the input's
     expect: dict = field(default_factory=dict)  # {"key" or "text_config.key": value} the output config must hold
     out_dtype: torch.dtype = torch.bfloat16  # the dtype of OUT's float tensors
+    # What OUT must equal under transformers: "clean" (the undamaged tiny fixture) or "input" (the damaged copy,
+    # where it is itself a sound model that transformers loads: a grown model, or FP32 weights kept FP32).
+    reference: str = "clean"
+    same_model: bool = True  # OUT computes exactly what the reference computes (False: a lossy --dtype cast)
+    xfail: str | None = None  # a known mtpkit bug: the reason (the test is strict-xfail)
 
 
 def _cfg(change: Callable[[dict], None]) -> Callable[[Path], None]:
@@ -190,6 +194,17 @@ def _fp8(folder: Path) -> None:
     edit_tensors(folder, change)
 
 
+def _nvfp4_packed(folder: Path) -> None:
+    """compressed-tensors' nvfp4-pack-quantized layout of one Linear (packed uint8 weight, FP8 scales)."""
+    def change(t: dict[str, torch.Tensor]) -> None:
+        prefix = "model.layers.0.mlp.down_proj."
+        rows, cols = t.pop(prefix + "weight").shape
+        t[prefix + "weight_packed"] = torch.zeros(rows, cols // 2, dtype=torch.uint8)
+        t[prefix + "weight_scale"] = torch.ones(rows, cols // 16, dtype=torch.float8_e4m3fn)
+        t[prefix + "weight_global_scale"] = torch.ones(1, dtype=torch.float32)
+    edit_tensors(folder, change)
+
+
 def _shrink_vocab(folder: Path) -> None:
     edit_tensors(folder, lambda t: t.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"][:120].clone()}))
 
@@ -202,8 +217,43 @@ def _duplicate_token(folder: Path) -> None:
     edit_tensors(folder, change)
 
 
+def _top_right_nested_wrong(config: dict) -> None:
+    config["intermediate_size"] = 64  # the top-level copy is the right one this time
+    config["text_config"]["intermediate_size"] = 4096
+
+
+def _nested_assistant_field(config: dict) -> None:
+    config["text_config"]["backbone_hidden_size"] = config.pop("backbone_hidden_size")
+
+
+def _inherited_invariants(config: dict) -> None:
+    """Copied from an E2B-style target: PLE, MoE and double-wide MLP switched on."""
+    config["text_config"].update(hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144,
+                                 enable_moe_block=True, use_double_wide_mlp=True)
+
+
+def _legacy_torch_dtype(config: dict) -> None:
+    config["torch_dtype"] = config.pop("dtype")
+
+
+def _layers(count: int, flat_only: bool) -> Callable[[dict], None]:
+    def change(config: dict) -> None:
+        if flat_only:
+            del config["text_config"]["per_layer_config"]
+        config["text_config"]["num_hidden_layers"] = count  # the tensors hold layers 0-1
+    return change
+
+
+NUM_LAYERS_BUG = ("mtpkit bug: with per_layer_config present (as transformers saves it), a num_hidden_layers that "
+                  "disagrees with the tensors is refused ('layer_types has 2 entries but num_hidden_layers is 3') "
+                  "instead of decided by the tensors as it is for the flat dialect: _to_flat_dialect validates the "
+                  "config before shape_facts runs")
+
+
 def _per_layer_variants() -> list[Case]:
-    return [Case(f"per-layer-only-{base.split('_')[1]}", base, _cfg(only_per_layer_dialect), ("head-dim-dialect",),
+    """As transformers 5.24 saves it (flat keys and per_layer_config), and per_layer_config alone."""
+    return [Case(f"as-saved-{base.split('_')[1]}", base, lambda folder: None, ("head-dim-dialect",))
+            for base in (PLAIN, CENTROIDS)] + [Case(f"per-layer-only-{base.split('_')[1]}", base, _cfg(only_per_layer_dialect), ("head-dim-dialect",),
                  expect={"text_config.global_head_dim": 16}) for base in (PLAIN, CENTROIDS)]
 
 
@@ -224,11 +274,11 @@ REPAIRED: list[Case] = [
     Case("gemma4-mtp-model-type", CENTROIDS, _cfg(_mtp_type), ("model-type",)),
     Case("gemma4-text-flattened", PLAIN, _cfg(_flattened_text_type), ("model-type", "nest-text-config")),
     *_per_layer_variants(),
-    Case("per-layer-only-zero-padded", PLAIN, _eleven_layers, ("head-dim-dialect",), same_tensors=False,
+    Case("per-layer-only-zero-padded", PLAIN, _eleven_layers, ("head-dim-dialect",), reference="input",
          expect={"text_config.global_head_dim": 16, "text_config.num_global_key_value_heads": 1}),
-    Case("fp32-weights", CENTROIDS, _fp32, ("cast-dtype",), same_tensors=False, expect={"dtype": "bfloat16"}),
+    Case("fp32-weights", CENTROIDS, _fp32, ("cast-dtype",), expect={"dtype": "bfloat16"}),
     Case("fp32-weights-keep", CENTROIDS, _fp32, (), args=("--dtype", "float32"), expect={"dtype": "float32"},
-         out_dtype=torch.float32),
+         out_dtype=torch.float32, reference="input"),
     Case("backbone-hidden-size", PLAIN, _cfg(_set("backbone_hidden_size", 999)), ("shape-decides",),
          expect={"backbone_hidden_size": 48}),
     Case("num-centroids", CENTROIDS, _cfg(_set("num_centroids", 16)), ("shape-decides",), expect={"num_centroids": 8}),
@@ -236,6 +286,34 @@ REPAIRED: list[Case] = [
          expect={"use_ordered_embeddings": False}),
     Case("num-kv-shared-layers-zero", CENTROIDS, _cfg(_set("text_config.num_kv_shared_layers", 0)),
          ("assistant-invariant",), expect={"text_config.num_kv_shared_layers": 2}),
+    # More of "the tensors decide", and the other rules.
+    Case("top-right-nested-wrong-intermediate", PLAIN, _cfg(_top_right_nested_wrong),
+         ("shape-decides", "remove-stale-top-level"), expect={"text_config.intermediate_size": 64}),
+    Case("head-dim", PLAIN, _cfg(_set("text_config.head_dim", 16)), ("shape-decides",),
+         expect={"text_config.head_dim": 8}),
+    Case("num-attention-heads", CENTROIDS, _cfg(_set("text_config.num_attention_heads", 8)), ("shape-decides",),
+         expect={"text_config.num_attention_heads": 4}),
+    Case("hidden-size", PLAIN, _cfg(_set("text_config.hidden_size", 64)), ("shape-decides",),
+         expect={"text_config.hidden_size": 32}),
+    Case("vocab-size-in-config", CENTROIDS, _cfg(_set("text_config.vocab_size", 256)), ("shape-decides",),
+         expect={"text_config.vocab_size": 128}),
+    Case("num-hidden-layers-flat", PLAIN, _cfg(_layers(3, flat_only=True)), ("shape-decides",),
+         expect={"text_config.num_hidden_layers": 2}),
+    Case("num-hidden-layers-as-saved", PLAIN, _cfg(_layers(3, flat_only=False)), ("shape-decides",),
+         expect={"text_config.num_hidden_layers": 2}, xfail=NUM_LAYERS_BUG),
+    Case("ordered-embeddings-false-with-centroids", CENTROIDS, _cfg(_set("use_ordered_embeddings", False)),
+         ("shape-decides",), expect={"use_ordered_embeddings": True}),
+    Case("assistant-field-in-text-config", CENTROIDS, _cfg(_nested_assistant_field), ("unnest-assistant-field",),
+         expect={"backbone_hidden_size": 64}),
+    Case("inherited-target-invariants", CENTROIDS, _cfg(_inherited_invariants), ("assistant-invariant",)),
+    Case("text-config-model-type-missing", PLAIN, _cfg(lambda c: c["text_config"].pop("model_type")),
+         ("model-type",)),
+    Case("architectures-missing", CENTROIDS, _cfg(lambda c: c.pop("architectures")), ("model-type",)),
+    Case("tie-word-embeddings-missing", CENTROIDS, _cfg(lambda c: c.pop("tie_word_embeddings")),
+         ("assistant-default",), expect={"tie_word_embeddings": True}),
+    Case("legacy-torch-dtype", PLAIN, _cfg(_legacy_torch_dtype), ("dtype",), expect={"dtype": "bfloat16"}),
+    Case("dtype-float16", CENTROIDS, lambda folder: None, ("cast-dtype", "dtype"), args=("--dtype", "float16"),
+         expect={"dtype": "float16"}, out_dtype=torch.float16, same_model=False),
 ]
 
 
@@ -254,4 +332,23 @@ UNFIXABLE: list[Unfixable] = [
     Unfixable("vocab-mismatch", PLAIN, _shrink_vocab, check_id="vocab-size"),
     Unfixable("token-ordering-duplicate", CENTROIDS, _duplicate_token, check_id="token-ordering"),
     Unfixable("fp8-tensors", PLAIN, _fp8, message="quantized"),
+    Unfixable("nvfp4-packed-tensors", PLAIN, _nvfp4_packed, message="quantized"),
 ]
+
+
+def grown_vocab(folder: Path, vocab: int = 512) -> None:
+    """assistant_centroids grown to `vocab` tokens (seeded extra embedding rows, a new permutation): token ids above
+    256, which BF16 cannot represent exactly. A sound model: transformers loads it."""
+    def change(t: dict[str, torch.Tensor]) -> None:
+        generator = torch.Generator().manual_seed(7)
+        embed = t["model.embed_tokens.weight"]
+        extra = torch.randn(vocab - embed.shape[0], embed.shape[1], generator=generator).to(embed.dtype)
+        t["model.embed_tokens.weight"] = torch.cat([embed, extra])
+        t["masked_embedding.token_ordering"] = torch.randperm(vocab, generator=generator)
+    edit_tensors(folder, change)
+    edit_config(folder, _set("text_config.vocab_size", vocab))
+
+
+def every_tensor_fp32(folder: Path) -> None:
+    """Every tensor cast to float32 with safetensors, token_ordering included (what a naive `.float()` script does)."""
+    edit_tensors(folder, lambda t: t.update({k: v.float() for k, v in t.items()}))
