@@ -92,7 +92,7 @@ def canonical_config(config: dict, tensors: dict[str, TensorInfo], *, dialect: s
                           fix="pass the assistant (draft) checkpoint; `mtp-convert pair` takes the target")
     rw = _Rewrite(config)
     _model_type(rw)
-    conflicts = _nest(rw, text_config_keys())
+    conflicts = _nest(rw, text_config_keys(), where)
     _quantization(rw)
     facts = shape_facts(rw.config["text_config"], tensors, where) if tensors else {}
     # The layer count first: reading per_layer_config needs layer_types and num_hidden_layers to agree.
@@ -116,14 +116,15 @@ def _model_type(rw: _Rewrite) -> None:
     rw.set("model-type", "architectures", [ARCHITECTURE], reason)
 
 
-def _nest(rw: _Rewrite, text_keys: frozenset[str]) -> dict[str, tuple[Any, Any]]:
+def _nest(rw: _Rewrite, text_keys: frozenset[str], where: str) -> dict[str, tuple[Any, Any]]:
     """Move architecture fields into text_config; returns {key: (top value, nested value)} for disagreements."""
     config = rw.config
-    if not isinstance(config.get("text_config"), dict):
+    if config.get("text_config") is None:
         before = config.get("text_config", ABSENT)
         config["text_config"] = {}
         rw.applied.append(RuleApplication("nest-text-config", "text_config", before, {},
                                           "architecture fields live in text_config"))
+    gemma4.text_config_of(config, where)  # a text_config that is not an object is refused, not silently replaced
     nested = config["text_config"]
     conflicts = {}
     for key in sorted(k for k in config if k in text_keys):

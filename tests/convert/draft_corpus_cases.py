@@ -92,7 +92,6 @@ class Case:
     # where it is itself a sound model that transformers loads: a grown model, or FP32 weights kept FP32).
     reference: str = "clean"
     same_model: bool = True  # OUT computes exactly what the reference computes (False: a lossy --dtype cast)
-    xfail: str | None = None  # a known mtpkit bug: the reason (the test is strict-xfail)
 
 
 def _cfg(change: Callable[[dict], None]) -> Callable[[Path], None]:
@@ -206,7 +205,8 @@ def _nvfp4_packed(folder: Path) -> None:
 
 
 def _shrink_vocab(folder: Path) -> None:
-    edit_tensors(folder, lambda t: t.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"][:120].clone()}))
+    name = "model.embed_tokens.weight"
+    edit_tensors(folder, lambda t: t.update({name: t[name][:120].clone()}))  # 120 tokens; the target has 128
 
 
 def _duplicate_token(folder: Path) -> None:
@@ -244,17 +244,15 @@ def _layers(count: int, flat_only: bool) -> Callable[[dict], None]:
     return change
 
 
-NUM_LAYERS_BUG = ("mtpkit bug: with per_layer_config present (as transformers saves it), a num_hidden_layers that "
-                  "disagrees with the tensors is refused ('layer_types has 2 entries but num_hidden_layers is 3') "
-                  "instead of decided by the tensors as it is for the flat dialect: _to_flat_dialect validates the "
-                  "config before shape_facts runs")
-
-
 def _per_layer_variants() -> list[Case]:
     """As transformers 5.24 saves it (flat keys and per_layer_config), and per_layer_config alone."""
-    return [Case(f"as-saved-{base.split('_')[1]}", base, lambda folder: None, ("head-dim-dialect",))
-            for base in (PLAIN, CENTROIDS)] + [Case(f"per-layer-only-{base.split('_')[1]}", base, _cfg(only_per_layer_dialect), ("head-dim-dialect",),
-                 expect={"text_config.global_head_dim": 16}) for base in (PLAIN, CENTROIDS)]
+    cases = []
+    for base in (PLAIN, CENTROIDS):
+        name = base.split("_")[1]
+        cases += [Case(f"as-saved-{name}", base, lambda folder: None, ("head-dim-dialect",)),
+                  Case(f"per-layer-only-{name}", base, _cfg(only_per_layer_dialect), ("head-dim-dialect",),
+                       expect={"text_config.global_head_dim": 16})]
+    return cases
 
 
 # Repaired: `draft` exits 0 and OUT is canonical, loadable by transformers, and accepted by `check`.
@@ -300,7 +298,7 @@ REPAIRED: list[Case] = [
     Case("num-hidden-layers-flat", PLAIN, _cfg(_layers(3, flat_only=True)), ("shape-decides",),
          expect={"text_config.num_hidden_layers": 2}),
     Case("num-hidden-layers-as-saved", PLAIN, _cfg(_layers(3, flat_only=False)), ("shape-decides",),
-         expect={"text_config.num_hidden_layers": 2}, xfail=NUM_LAYERS_BUG),
+         expect={"text_config.num_hidden_layers": 2}),
     Case("ordered-embeddings-false-with-centroids", CENTROIDS, _cfg(_set("use_ordered_embeddings", False)),
          ("shape-decides",), expect={"use_ordered_embeddings": True}),
     Case("assistant-field-in-text-config", CENTROIDS, _cfg(_nested_assistant_field), ("unnest-assistant-field",),
@@ -319,7 +317,7 @@ REPAIRED: list[Case] = [
 
 @dataclass(frozen=True)
 class Unfixable:
-    """`draft` cannot repair it: either it refuses (exit 2, one line), or `check` on its output fails with `check_id`."""
+    """`draft` cannot repair it: it refuses (exit 2, one line), or `check` on its output fails with `check_id`."""
 
     id: str
     base: str
