@@ -10,7 +10,7 @@ import typer
 
 from mtpkit.cli.app import app
 from mtpkit.cli.console import byte_progress, out
-from mtpkit.cli.options import Force, Json, Revision
+from mtpkit.cli.options import Force, Json, Out, Revision, Src
 from mtpkit.convert.draft import draft
 from mtpkit.convert.draft_rules import RuleApplication
 from mtpkit.convert.source import open_source
@@ -35,8 +35,8 @@ def format_rule(rule: RuleApplication) -> str:
 
 @app.command("draft")
 def draft_command(
-    src: Annotated[str, typer.Argument(help="Assistant checkpoint folder, or a Hub repo id OWNER/NAME.")],
-    dest: Annotated[str, typer.Argument(metavar="OUT", help="Output folder (must not exist unless --force).")],
+    src: Src,
+    dest: Out,
     dialect: Annotated[Dialect, typer.Option("--dialect", help="Head-dim dialect: flat (global_head_dim, as "
                                              "published) or per-layer (per_layer_config).")] = Dialect.flat,
     dtype: Annotated[DType, typer.Option("--dtype", help="dtype of the written weights.")] = DType.bfloat16,

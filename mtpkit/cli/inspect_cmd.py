@@ -10,7 +10,7 @@ from rich.table import Table
 
 from mtpkit.cli.app import app
 from mtpkit.cli.console import out, warn
-from mtpkit.cli.options import Json, Revision
+from mtpkit.cli.options import Json, Revision, Src
 from mtpkit.convert.describe import Description, describe
 from mtpkit.convert.source import open_source
 
@@ -57,7 +57,7 @@ def _table(d: Description) -> Table:
 
 @app.command("inspect")
 def inspect_command(
-    src: Annotated[str, typer.Argument(help="Checkpoint folder, or a Hub repo id OWNER/NAME.")],
+    src: Src,
     revision: Revision = None,
     weights: Annotated[bool, typer.Option("--weights", help="For a Hub repo: also fetch the weights and read "
                                           "their headers (default: configs only).")] = False,

@@ -10,7 +10,7 @@ import typer
 from mtpkit.cli.app import app
 from mtpkit.cli.console import byte_progress, out, warn
 from mtpkit.cli.draft_cmd import Dialect, format_rule
-from mtpkit.cli.options import Force, Json
+from mtpkit.cli.options import Force, Json, Out
 from mtpkit.convert.draft_rules import RuleApplication
 from mtpkit.convert.pair import pair
 from mtpkit.convert.source import open_source
@@ -18,7 +18,7 @@ from mtpkit.convert.source import open_source
 
 @app.command("pair")
 def pair_command(
-    dest: Annotated[str, typer.Argument(metavar="OUT", help="Output folder (must not exist unless --force).")],
+    dest: Out,
     target: Annotated[str, typer.Option("--target", help="Target checkpoint (folder or Hub id).")],
     draft: Annotated[str, typer.Option("--draft", help="Assistant checkpoint (folder or Hub id).")],
     target_revision: Annotated[str | None, typer.Option("--target-revision", help="Hub revision of the target.")] = None,

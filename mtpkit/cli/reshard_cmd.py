@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
 
-import typer
 
 from mtpkit.cli.app import app
 from mtpkit.cli.console import byte_progress, out
-from mtpkit.cli.options import Force, Json, MaxShardSize, Revision
+from mtpkit.cli.options import Force, Json, MaxShardSize, Out, Revision, Src
 from mtpkit.convert.reshard import reshard
 from mtpkit.convert.source import open_source
 from mtpkit.convert.writer import DEFAULT_MAX_SHARD_SIZE
@@ -17,8 +15,8 @@ from mtpkit.convert.writer import DEFAULT_MAX_SHARD_SIZE
 
 @app.command("reshard")
 def reshard_command(
-    src: Annotated[str, typer.Argument(help="Checkpoint folder, or a Hub repo id OWNER/NAME.")],
-    dest: Annotated[str, typer.Argument(metavar="OUT", help="Output folder (must not exist unless --force).")],
+    src: Src,
+    dest: Out,
     max_shard_size: MaxShardSize = DEFAULT_MAX_SHARD_SIZE,
     revision: Revision = None,
     force: Force = False,
