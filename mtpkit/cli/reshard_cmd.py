@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-
 from mtpkit.cli.app import app
 from mtpkit.cli.console import byte_progress, out
 from mtpkit.cli.options import Force, Json, MaxShardSize, Out, Revision, Src
