@@ -1,0 +1,57 @@
+"""`mtp-convert quantize SRC OUT --scheme S`: a BF16 target to FP8 / NVFP4 weights, streamed on the CPU."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from enum import Enum
+from typing import Annotated
+
+import typer
+
+from mtpkit.cli.app import app
+from mtpkit.cli.console import byte_progress, out
+from mtpkit.cli.options import Force, Json, Out, Revision, Src
+from mtpkit.convert.quantize import quantize
+from mtpkit.convert.source import open_source
+
+
+class Scheme(str, Enum):
+    fp8_dynamic = "fp8-dynamic"
+    fp8 = "fp8"
+    fp8_block = "fp8-block"
+    nvfp4 = "nvfp4"
+    nvfp4a16 = "nvfp4a16"
+
+
+class Format(str, Enum):
+    compressed_tensors = "compressed-tensors"
+    modelopt = "modelopt"
+
+
+@app.command("quantize")
+def quantize_command(
+    src: Src,
+    dest: Out,
+    scheme: Annotated[Scheme, typer.Option("--scheme", help="fp8-dynamic, fp8-block and nvfp4a16 need no "
+                                           "calibration; fp8 and nvfp4 need calibrated activation scales.")],
+    fmt: Annotated[Format, typer.Option("--format", help="On-disk format.")] = Format.compressed_tensors,
+    revision: Revision = None,
+    force: Force = False,
+    as_json: Json = False,
+) -> None:
+    """Quantize a target's decoder Linear weights; everything else is copied unchanged."""
+    checkpoint = open_source(src, revision=revision)
+    # Two passes over the quantized weights (check + amax, then write) and one over the rest.
+    with byte_progress("quantizing", 2 * checkpoint.total_bytes) as advance:
+        result = quantize(checkpoint, dest, scheme=scheme.value, fmt=fmt.value, force=force, on_bytes=advance)
+    if as_json:
+        print(json.dumps({"output": str(result.folder), **result.report}, indent=2))
+        return
+    errors = list(result.report["relative_weight_error"].values())
+    out.print(f"wrote {result.folder}: {result.quantized} Linear weights as {result.scheme} (compressed-tensors); "
+              f"relative weight error median {statistics.median(errors):.4f}, max {max(errors):.4f}", highlight=False)
+    experts = result.report["kept_unquantized"]["moe_experts"]
+    if experts:
+        out.print(f"kept {len(experts)} MoE expert tensors unquantized (expert quantization is not supported yet)",
+                  highlight=False)

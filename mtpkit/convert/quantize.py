@@ -1,0 +1,144 @@
+"""`quantize`: a BF16 Gemma 4 target to FP8 or NVFP4 weights in the compressed-tensors format, streamed.
+
+Two passes over the decoder Linear weights: the first checks every weight (finite, shapes) and takes
+the amax of each fused group (q/k/v, gate/up), which fixes the shared global scale; the second writes
+each output tensor as the writer asks for it, recomputing a module's scales rather than holding its
+other outputs, so memory stays bounded by one weight. Everything else is copied byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from mtpkit.convert.atomic import atomic_output_dir
+from mtpkit.convert.checkpoint import Checkpoint
+from mtpkit.convert.describe import describe
+from mtpkit.convert.draft import dump_json
+from mtpkit.convert.quantize_scope import CT_IGNORE, CT_TARGETS, QuantTarget, moe_expert_tensors, quantization_targets
+from mtpkit.convert.reshard import copy_other_files
+from mtpkit.convert.safetensors_file import TensorInfo, load_tensor
+from mtpkit.convert.writer import TensorSpec, write_checkpoint_tensors
+from mtpkit.errors import CheckpointError, ConfigError
+from mtpkit.formats import compressed_tensors as ct
+from mtpkit.formats.fp8 import check_finite
+from mtpkit.formats.quant_math import QuantizedWeight, check_weight, quantize_weight
+
+REPORT_FILE = "mtpkit_quantize.json"
+WEIGHT_ONLY_OR_DYNAMIC = ("fp8-dynamic", "fp8-block", "nvfp4a16")
+FLOAT_DTYPES = ("F16", "BF16", "F32")
+
+
+@dataclass(frozen=True)
+class QuantizeResult:
+    folder: Path
+    scheme: str
+    quantized: int
+    report: dict
+
+
+def _refuse_unsupported(checkpoint: Checkpoint, scheme: str, fmt: str, where: str) -> None:
+    if scheme not in ct.SCHEMES:
+        raise ConfigError(f"--scheme {scheme!r} is not one of {', '.join(ct.SCHEMES)}", where=where,
+                          fix="pick a scheme from `mtp-convert quantize --help`")
+    if scheme in ct.CALIBRATED:
+        raise ConfigError(f"--scheme {scheme} needs static activation scales from calibration, which this mtpkit "
+                          "cannot compute yet", where=where, fix=f"use one of {', '.join(WEIGHT_ONLY_OR_DYNAMIC)}")
+    if fmt != "compressed-tensors":
+        raise ConfigError(f"--format {fmt} needs calibrated input scales (ModelOpt stores static ones), which this "
+                          "mtpkit cannot compute yet", where=where, fix="use --format compressed-tensors")
+    description = describe(checkpoint)
+    if description.role != "target":
+        raise ConfigError("is an assistant; only targets are quantized (vLLM serves the assistant in BF16)",
+                          where=where, fix="quantize the target, then `mtp-convert pair` it with this assistant")
+    if description.quantization is not None:
+        q = description.quantization
+        raise ConfigError(f"is already quantized ({q['method']} {q['scheme']})", where=where,
+                          fix="start from the BF16 checkpoint; mtpkit does not quantize twice")
+
+
+def _checked_groups(targets: list[QuantTarget], scheme: str, on_bytes: Callable[[int], None] | None) -> dict[str, float]:
+    """Pass 1: validate every weight and return the amax of each fused group."""
+    amax: dict[str, float] = {}
+    for target in targets:
+        info = target.weight
+        if info.dtype not in FLOAT_DTYPES or len(info.shape) != 2:
+            raise CheckpointError(f"{info.name} is {info.dtype}{list(info.shape)}; a 2-D float weight is needed",
+                                  where=info.file, fix="start from the BF16 checkpoint")
+        weight = load_tensor(info)
+        try:
+            check_finite(weight, info.name)
+        except ValueError as e:
+            raise CheckpointError(str(e), where=info.file, fix="repair or re-download the checkpoint") from e
+        try:
+            value = check_weight(weight, scheme, info.name)
+        except ValueError as e:  # a shape the scheme cannot take; the message says what to use instead
+            raise CheckpointError(str(e), where=info.file) from e
+        amax[target.group] = max(amax.get(target.group, 0.0), value)
+        if on_bytes:
+            on_bytes(info.nbytes)
+    return amax
+
+
+class _Producer:
+    """Produces each output tensor on request from the source weight (nothing held between requests)."""
+
+    def __init__(self, targets: list[QuantTarget], amax: dict[str, float], scheme: str):
+        self.scheme, self.amax = scheme, amax
+        self.by_output: dict[str, tuple[QuantTarget, str]] = {}
+        self.errors: dict[str, float] = {}
+        for target in targets:
+            for suffix in QuantizedWeight.suffixes(scheme):
+                self.by_output[f"{target.module}.{suffix}"] = (target, suffix)
+
+    def specs(self, targets: list[QuantTarget]) -> list[TensorSpec]:
+        return [TensorSpec(f"{t.module}.{suffix}", dtype, shape) for t in targets
+                for suffix, (dtype, shape) in QuantizedWeight.layout(self.scheme, t.weight.dtype, t.weight.shape).items()]
+
+    def __call__(self, name: str):
+        target, suffix = self.by_output[name]
+        quantized = quantize_weight(load_tensor(target.weight), self.scheme, self.amax[target.group],
+                                    with_values=suffix in ("weight", "weight_packed"))
+        if quantized.relative_error is not None:
+            self.errors[target.module] = quantized.relative_error
+        return quantized.tensors[suffix]
+
+
+def quantize(checkpoint: Checkpoint, out: str | Path, *, scheme: str, fmt: str = "compressed-tensors",
+             force: bool = False, on_bytes: Callable[[int], None] | None = None) -> QuantizeResult:
+    where = str(checkpoint.folder / "config.json")
+    if checkpoint.config_only:
+        raise CheckpointError("has no weights to quantize", where=checkpoint.folder,
+                              fix="point at a folder with model.safetensors or an index and its shards")
+    _refuse_unsupported(checkpoint, scheme, fmt, where)
+    targets = quantization_targets(checkpoint.tensors)
+    if not targets:
+        raise CheckpointError("holds no decoder Linear weights (layers.N.self_attn/mlp.*_proj.weight)",
+                              where=checkpoint.folder, fix="point at a Gemma 4 target checkpoint")
+    amax = _checked_groups(targets, scheme, on_bytes)
+    producer = _Producer(targets, amax, scheme)
+    replaced = {t.weight.name for t in targets}
+    specs = [TensorSpec.of(info) for name, info in checkpoint.tensors.items() if name not in replaced]
+    specs += producer.specs(targets)
+    experts = moe_expert_tensors(checkpoint.tensors)
+    config = dict(checkpoint.config)
+    config["quantization_config"] = ct.quantization_config(scheme, CT_TARGETS, CT_IGNORE)
+
+    def produce(spec: TensorSpec) -> TensorInfo | object:
+        # FP8 keeps the name `weight`: ask the producer first, and copy only what it does not make.
+        return producer(spec.name) if spec.name in producer.by_output else checkpoint.tensors[spec.name]
+
+    with atomic_output_dir(out, force=force, sources=(checkpoint.folder,)) as tmp:
+        write_checkpoint_tensors(tmp, specs, produce, on_tensor=(lambda s: on_bytes(s.nbytes)) if on_bytes else None)
+        (tmp / "config.json").write_text(dump_json(config), encoding="utf-8")
+        copy_other_files(checkpoint, tmp, skip={"config.json", REPORT_FILE})
+        report = {
+            "tool": "mtp-convert quantize", "scheme": scheme, "format": fmt,
+            "quantized_modules": len(targets),
+            "relative_weight_error": {module: producer.errors[module] for module in sorted(producer.errors)},
+            "kept_unquantized": {"moe_experts": experts, "ignore": CT_IGNORE},
+            "calibration": None,
+        }
+        (tmp / REPORT_FILE).write_text(dump_json(report), encoding="utf-8")
+    return QuantizeResult(Path(out), scheme, len(targets), report)

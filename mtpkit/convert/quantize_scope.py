@@ -1,0 +1,55 @@
+"""Which tensors of a Gemma 4 target are quantized, and which must share a scale.
+
+Quantized: the Linear layers of the text decoder, i.e. the attention projections and the MLPs.
+Everything else (lm_head, embeddings and per-layer embeddings, vision and audio towers and their
+projections, the MoE router, norms) stays as it is. vLLM fuses q/k/v of one attention and gate/up of
+one MLP into one layer that keeps one global (NVFP4) or per-tensor (FP8) scale, so those groups get a
+shared scale here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from mtpkit.convert.safetensors_file import TensorInfo
+
+# `model.layers.N.` (text-only) or `model.language_model.layers.N.` (the multimodal wrapper).
+_DECODER_LINEAR = re.compile(
+    r"^(?P<layer>(?:model\.)?(?:language_model\.)?layers\.\d+)\.(?P<block>self_attn|mlp)\."
+    r"(?P<proj>q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$"
+)
+_FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+# MoE experts are stored as fused 3-D parameters (experts.gate_up_proj / experts.down_proj).
+_EXPERTS = re.compile(r"^(?:model\.)?(?:language_model\.)?layers\.\d+\.experts\.(gate_up_proj|down_proj)$")
+
+# compressed-tensors `targets` / `ignore`, as llm-compressor writes them: every Linear except those
+# ignored. The ignore list names every other Linear a Gemma 4 checkpoint has (transformers and vLLM
+# would otherwise expect them quantized); tests check it against compressed-tensors' own matcher.
+CT_TARGETS = ["Linear"]
+CT_IGNORE = ["lm_head", "re:.*per_layer.*", "re:.*router.*", "re:.*vision_tower.*", "re:.*embed_vision.*",
+             "re:.*audio_tower.*", "re:.*embed_audio.*"]
+
+
+@dataclass(frozen=True)
+class QuantTarget:
+    module: str  # e.g. model.layers.3.self_attn.q_proj
+    weight: TensorInfo
+    group: str  # modules of one fused group share a global / per-tensor scale
+
+
+def quantization_targets(tensors: dict[str, TensorInfo]) -> list[QuantTarget]:
+    targets = []
+    for name, info in tensors.items():
+        match = _DECODER_LINEAR.match(name)
+        if match is None:
+            continue
+        module = name.removesuffix(".weight")
+        fused = _FUSED.get(match["proj"])
+        group = f"{match['layer']}.{match['block']}.{fused}" if fused else module
+        targets.append(QuantTarget(module, info, group))
+    return targets
+
+
+def moe_expert_tensors(tensors: dict[str, TensorInfo]) -> list[str]:
+    return [name for name in tensors if _EXPERTS.match(name)]
