@@ -96,7 +96,8 @@ def canonical_config(config: dict, tensors: dict[str, TensorInfo], *, dialect: s
     _quantization(rw)
     facts = shape_facts(rw.config["text_config"], tensors, where) if tensors else {}
     # The layer count first: reading per_layer_config needs layer_types and num_hidden_layers to agree.
-    _dimensions(rw, {k: v for k, v in facts.items() if k == "num_hidden_layers"}, conflicts)
+    if "num_hidden_layers" in facts:
+        _apply_fact(rw, "num_hidden_layers", facts["num_hidden_layers"], conflicts)
     _to_flat_dialect(rw, where)
     _dimensions(rw, facts, conflicts)
     _invariants(rw)
@@ -182,28 +183,30 @@ def _to_per_layer_dialect(rw: _Rewrite, where: str) -> None:
                     if geometry[layer_type][k] != text.get(k)}  # transformers writes only what differs
         if override:
             overrides[index] = override
-    per_layer = {gemma4.per_layer_key(i, max(overrides)): o for i, o in overrides.items()}
+    # transformers writes {} when every layer matches the global values.
+    per_layer = {gemma4.per_layer_key(i, max(overrides)): o for i, o in overrides.items()} if overrides else {}
     reason = "--dialect per-layer: the form transformers >= 5.15 writes"
     rw.set("head-dim-dialect", "text_config.per_layer_config", per_layer, reason)
     rw.remove("head-dim-dialect", "text_config.global_head_dim", reason)
     rw.remove("head-dim-dialect", "text_config.num_global_key_value_heads", reason)
 
 
+def _apply_fact(rw: _Rewrite, key: str, fact: tuple[Any, str], conflicts: dict[str, tuple[Any, Any]]) -> None:
+    value, evidence = fact
+    path = key if key in ASSISTANT_TOP_KEYS else f"text_config.{key}"
+    if key in conflicts:
+        top, nested = conflicts[key]
+        reason = f"top level said {top!r}, text_config said {nested!r}; the tensors decide: {evidence}"
+    else:
+        reason = f"the tensors decide: {evidence}"
+    rw.set("shape-decides", path, value, reason)
+
+
 def _dimensions(rw: _Rewrite, facts: dict[str, tuple[Any, str]], conflicts: dict[str, tuple[Any, Any]]) -> None:
-    for key, (top, nested) in sorted(conflicts.items()):
-        if key not in facts and key not in INVARIANTS:
-            rw.applied.append(RuleApplication(
-                "resolve-conflict", f"text_config.{key}", top, nested,
-                "the top-level copy disagreed; no tensor decides this field, so the nested value (what "
-                "transformers reads) is kept"))
-    for key, (value, evidence) in sorted(facts.items()):
-        path = key if key in ASSISTANT_TOP_KEYS else f"text_config.{key}"
-        if key in conflicts:
-            top, nested = conflicts[key]
-            reason = f"top level said {top!r}, text_config said {nested!r}; the tensors decide: {evidence}"
-        else:
-            reason = f"the tensors decide: {evidence}"
-        rw.set("shape-decides", path, value, reason)
+    """Where config and tensors disagree, the tensors decide. A top-level copy that disagreed with
+    text_config and that no tensor decides was already dropped in favour of text_config (what loaders read)."""
+    for key, fact in sorted(facts.items()):
+        _apply_fact(rw, key, fact, conflicts)
     if "tie_word_embeddings" not in rw.config:
         rw.set("assistant-default", "tie_word_embeddings", True, "assistants tie lm_head to the embeddings")
 
