@@ -12,8 +12,10 @@ import typer
 from mtpkit.cli.app import app
 from mtpkit.cli.console import byte_progress, out
 from mtpkit.cli.options import Force, Json, Out, Revision, Src
+from mtpkit.convert.format_convert import convert_to_compressed_tensors
 from mtpkit.convert.quantize import quantize
 from mtpkit.convert.source import open_source
+from mtpkit.errors import ConfigError
 
 
 class Scheme(str, Enum):
@@ -33,15 +35,32 @@ class Format(str, Enum):
 def quantize_command(
     src: Src,
     dest: Out,
-    scheme: Annotated[Scheme, typer.Option("--scheme", help="fp8-dynamic, fp8-block and nvfp4a16 need no "
-                                           "calibration; fp8 and nvfp4 need calibrated activation scales.")],
+    scheme: Annotated[Scheme | None, typer.Option("--scheme", help="fp8-dynamic, fp8-block and nvfp4a16 need no "
+                                                  "calibration; fp8 and nvfp4 need calibrated activation scales.")] = None,
     fmt: Annotated[Format, typer.Option("--format", help="On-disk format.")] = Format.compressed_tensors,
+    to: Annotated[Format | None, typer.Option("--to", help="Convert an already-quantized checkpoint to this "
+                                              "format, losslessly (ModelOpt NVFP4 -> compressed-tensors).")] = None,
     revision: Revision = None,
     force: Force = False,
     as_json: Json = False,
 ) -> None:
-    """Quantize a target's decoder Linear weights; everything else is copied unchanged."""
+    """Quantize a target's decoder Linear weights (--scheme), or convert a quantized one's format (--to)."""
+    if (scheme is None) == (to is None):
+        raise ConfigError("give exactly one of --scheme (quantize a BF16 target) and --to (convert a quantized one)",
+                          where="quantize", fix="e.g. --scheme nvfp4a16, or --to compressed-tensors")
     checkpoint = open_source(src, revision=revision)
+    if to is not None:
+        if to is not Format.compressed_tensors:
+            raise ConfigError(f"--to {to.value} is not supported yet", where="quantize", fix="use --to compressed-tensors")
+        with byte_progress("converting", checkpoint.total_bytes) as advance:
+            converted = convert_to_compressed_tensors(checkpoint, dest, force=force, on_bytes=advance)
+        summary = {"output": str(converted.folder), "from": converted.source, "modules": converted.modules}
+        if as_json:
+            print(json.dumps(summary, indent=2))
+        else:
+            out.print(f"wrote {converted.folder}: {converted.modules} {converted.source['method']} "
+                      f"{converted.source['scheme']} modules in the compressed-tensors format", highlight=False)
+        return
     # Two passes over the quantized weights (check + amax, then write) and one over the rest.
     with byte_progress("quantizing", 2 * checkpoint.total_bytes) as advance:
         result = quantize(checkpoint, dest, scheme=scheme.value, fmt=fmt.value, force=force, on_bytes=advance)
