@@ -106,13 +106,16 @@ class _Producer:
 
 
 def quantize(checkpoint: Checkpoint, out: str | Path, *, scheme: str, fmt: str = "compressed-tensors",
-             force: bool = False, on_bytes: Callable[[int], None] | None = None) -> QuantizeResult:
+             ignore: list[str] = (), force: bool = False,
+             on_bytes: Callable[[int], None] | None = None) -> QuantizeResult:
+    """`ignore`: more modules to keep unquantized (compressed-tensors patterns, e.g. from a recipe)."""
     where = str(checkpoint.folder / "config.json")
     if checkpoint.config_only:
         raise CheckpointError("has no weights to quantize", where=checkpoint.folder,
                               fix="point at a folder with model.safetensors or an index and its shards")
     _refuse_unsupported(checkpoint, scheme, fmt, where)
-    targets = quantization_targets(checkpoint.tensors)
+    targets = quantization_targets(checkpoint.tensors, ignore)
+    ignore = list(dict.fromkeys(CT_IGNORE + list(ignore)))  # ours always: those Linears are never quantized
     if not targets:
         raise CheckpointError("holds no decoder Linear weights (layers.N.self_attn/mlp.*_proj.weight)",
                               where=checkpoint.folder, fix="point at a Gemma 4 target checkpoint")
@@ -123,7 +126,7 @@ def quantize(checkpoint: Checkpoint, out: str | Path, *, scheme: str, fmt: str =
     specs += producer.specs(targets)
     experts = moe_expert_tensors(checkpoint.tensors)
     config = dict(checkpoint.config)
-    config["quantization_config"] = ct.quantization_config(scheme, CT_TARGETS, CT_IGNORE)
+    config["quantization_config"] = ct.quantization_config(scheme, CT_TARGETS, ignore)
 
     def produce(spec: TensorSpec) -> TensorInfo | object:
         # FP8 keeps the name `weight`: ask the producer first, and copy only what it does not make.
@@ -137,7 +140,7 @@ def quantize(checkpoint: Checkpoint, out: str | Path, *, scheme: str, fmt: str =
             "tool": "mtp-convert quantize", "scheme": scheme, "format": fmt,
             "quantized_modules": len(targets),
             "relative_weight_error": {module: producer.errors[module] for module in sorted(producer.errors)},
-            "kept_unquantized": {"moe_experts": experts, "ignore": CT_IGNORE},
+            "kept_unquantized": {"moe_experts": experts, "ignore": ignore},
             "calibration": None,
         }
         (tmp / REPORT_FILE).write_text(dump_json(report), encoding="utf-8")

@@ -38,13 +38,21 @@ class QuantTarget:
     group: str  # modules of one fused group share a global / per-tensor scale
 
 
-def quantization_targets(tensors: dict[str, TensorInfo]) -> list[QuantTarget]:
+def matches(module: str, pattern: str) -> bool:
+    """compressed-tensors' name matching: `re:` patterns match from the start (re.match), others exactly."""
+    return re.match(pattern[3:], module) is not None if pattern.startswith("re:") else module == pattern
+
+
+def quantization_targets(tensors: dict[str, TensorInfo], ignore: list[str] = ()) -> list[QuantTarget]:
+    """The decoder Linears to quantize, less any module an `ignore` pattern (compressed-tensors syntax) names."""
     targets = []
     for name, info in tensors.items():
         match = _DECODER_LINEAR.match(name)
         if match is None:
             continue
         module = name.removesuffix(".weight")
+        if any(matches(module, pattern) for pattern in ignore):
+            continue
         fused = _FUSED.get(match["proj"])
         group = f"{match['layer']}.{match['block']}.{fused}" if fused else module
         targets.append(QuantTarget(module, info, group))

@@ -142,3 +142,27 @@ def test_refusals(tiny_copy, cli, tmp_path, damage, scheme, message):
     if damage in ("nan", "odd"):
         assert name in result.err
     assert not (tmp_path / "out").exists() and tree_digest(src) == before
+
+
+def test_a_users_recipe_with_more_ignores(tiny, cli, tmp_path):
+    """A recipe in llm-compressor's schema that keeps layer 0 in BF16: its ignore list is honoured and written."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("quant_stage:\n  quant_modifiers:\n    QuantizationModifier:\n      targets: [Linear]\n"
+                      "      scheme: NVFP4A16\n      ignore: [lm_head, 're:.*layers\\.0\\..*']\n")
+    out = tmp_path / "q"
+    result = cli("quantize", tiny("dense_31b_like"), out, "--recipe", recipe)
+    assert result.code == 0, result.err
+    tensors, original = load_file(out / "model.safetensors"), load_file(tiny("dense_31b_like") / "model.safetensors")
+    assert torch.equal(tensors["model.layers.0.mlp.down_proj.weight"], original["model.layers.0.mlp.down_proj.weight"])
+    assert "model.layers.1.mlp.down_proj.weight_packed" in tensors
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert "re:.*layers\\.0\\..*" in qc["ignore"]
+    model = transformers.Gemma4ForCausalLM.from_pretrained(tiny("dense_31b_like"))
+    matched = {n for n, _ in match_named_modules(model, qc["config_groups"]["group_0"]["targets"], qc["ignore"])}
+    assert matched == {p.prefix for p in plan_modules(tensors).values() if p.quantized}
+
+
+def test_recipes_that_need_calibration_are_refused(tiny, cli, tmp_path):
+    for recipe in ("fp8", "nvfp4", "kv-fp8"):
+        result = cli("quantize", tiny("dense_31b_like"), tmp_path / recipe, "--recipe", recipe)
+        assert result.code == 2 and "needs calibration" in result.err and not (tmp_path / recipe).exists()
