@@ -1,0 +1,44 @@
+"""Load a checkpoint's text-decoder tensors into Gemma4TextModel by stripping one prefix."""
+
+from __future__ import annotations
+
+import torch
+
+from mtpkit.runtime.model import Gemma4TextModel
+
+# Gemma4ForConditionalGeneration nests the decoder; Gemma4ForCausalLM does not.
+_PREFIXES = ("model.language_model.", "model.")
+# Towers of the multimodal wrapper, which the text decoder never reads.
+_OTHER_TOWERS = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+
+
+def load_text_state_dict(model: Gemma4TextModel, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy `tensors` (names as in the checkpoint) into `model`, cast to its dtype, strictly.
+
+    Missing or unexpected text tensors, or a shape that differs, raise ValueError naming them;
+    vision and audio tensors are ignored. A tied lm_head is absent from checkpoints; an untied one
+    is the top-level `lm_head.weight`.
+    """
+    prefix = next((p for p in _PREFIXES if any(name.startswith(p) for name in tensors)), "model.")
+    state = {}
+    unexpected = []
+    for name, tensor in tensors.items():
+        if name.startswith(_OTHER_TOWERS):
+            continue
+        if name.startswith(prefix):
+            state[name[len(prefix):]] = tensor
+        elif name == "lm_head.weight" and not model.config.tie_word_embeddings:
+            state[name] = tensor
+        elif name != "lm_head.weight":  # a tied lm_head written out anyway is the embedding again
+            unexpected.append(name)
+    expected = model.state_dict()
+    unexpected += [prefix + name for name in state if name not in expected]
+    missing = [prefix + name for name in expected if name not in state]
+    if missing or unexpected:
+        raise ValueError(f"text tensors do not match the config: missing {sorted(missing)}, "
+                         f"unexpected {sorted(unexpected)}")
+    wrong = [f"{prefix}{name} {tuple(t.shape)} (expected {tuple(expected[name].shape)})"
+             for name, t in state.items() if t.shape != expected[name].shape]
+    if wrong:
+        raise ValueError(f"text tensors have the wrong shape: {', '.join(wrong)}")
+    model.load_state_dict(state, strict=True)
