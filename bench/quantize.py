@@ -15,12 +15,11 @@ import argparse
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reshard import copy_folder, run_child, synthetic_specs, write_source  # noqa: E402
+from reshard import copy_folder, run_child, run_in_workdir, synthetic_specs, write_source  # noqa: E402
 
 RSS_SLACK = 500 * 10**6
 SCHEMES = ("fp8-dynamic", "nvfp4a16")
@@ -32,15 +31,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--keep", action="store_true")
-    args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="mtpkit-bench-quantize-", dir=args.workdir or "/tmp"))
-    try:
-        bench(work, args)
-    finally:
-        if args.keep:
-            print(f"work folder kept: {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+    run_in_workdir(bench, parser.parse_args(), "quantize")
 
 
 def bench(work: Path, args: argparse.Namespace) -> None:

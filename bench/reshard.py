@@ -195,13 +195,16 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None, help="parent folder for the work folder (default /tmp)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating copy/reshard rounds (default 3)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
-    args = parser.parse_args()
+    run_in_workdir(bench, parser.parse_args(), "reshard")
 
+
+def run_in_workdir(bench_fn, args: argparse.Namespace, name: str) -> None:
+    """Run `bench_fn(work, args)` in a fresh work folder under --workdir (default /tmp), removed unless --keep."""
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="mtpkit-bench-reshard-", dir=args.workdir or "/tmp"))
+    work = Path(tempfile.mkdtemp(prefix=f"mtpkit-bench-{name}-", dir=args.workdir or "/tmp"))
     try:
-        bench(work, args)
+        bench_fn(work, args)
     finally:
         if args.keep:
             print(f"work folder kept: {work}")
