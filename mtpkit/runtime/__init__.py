@@ -1,8 +1,12 @@
 """Plain PyTorch execution of a target + assistant pair; no file I/O."""
 
+from mtpkit.runtime.assistant import Gemma4Assistant, load_assistant_state_dict
 from mtpkit.runtime.config import AttentionSpec, TextConfig
 from mtpkit.runtime.kv_cache import KVCache
 from mtpkit.runtime.model import Gemma4TextModel
 from mtpkit.runtime.weights import load_text_state_dict
 
-__all__ = ["AttentionSpec", "Gemma4TextModel", "KVCache", "TextConfig", "load_text_state_dict"]
+__all__ = [
+    "AttentionSpec", "Gemma4Assistant", "Gemma4TextModel", "KVCache", "TextConfig", "load_assistant_state_dict",
+    "load_text_state_dict",
+]
