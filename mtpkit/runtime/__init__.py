@@ -4,9 +4,10 @@ from mtpkit.runtime.assistant import Gemma4Assistant, load_assistant_state_dict
 from mtpkit.runtime.config import AttentionSpec, TextConfig
 from mtpkit.runtime.kv_cache import KVCache
 from mtpkit.runtime.model import Gemma4TextModel
+from mtpkit.runtime.speculative import GenerationStats, generate_greedy
 from mtpkit.runtime.weights import load_text_state_dict
 
 __all__ = [
-    "AttentionSpec", "Gemma4Assistant", "Gemma4TextModel", "KVCache", "TextConfig", "load_assistant_state_dict",
-    "load_text_state_dict",
+    "AttentionSpec", "Gemma4Assistant", "Gemma4TextModel", "GenerationStats", "KVCache", "TextConfig",
+    "generate_greedy", "load_assistant_state_dict", "load_text_state_dict",
 ]

@@ -73,6 +73,8 @@ class TextConfig:
     pad_token_id: int | None
     bos_token_id: int | None
     eos_token_id: tuple[int, ...]
+    # Image / video / audio placeholder ids of a multimodal wrapper: text-only, they embed as padding.
+    media_token_ids: tuple[int, ...] = ()
 
     @property
     def first_kv_shared_layer(self) -> int:
@@ -170,7 +172,13 @@ class TextConfig:
             pad_token_id=text.get("pad_token_id", 0),
             bos_token_id=text.get("bos_token_id", 2),
             eos_token_id=eos,
+            media_token_ids=tuple(config[k] for k in _MEDIA_TOKEN_KEYS if type(config.get(k)) is int)
+            if prefix else (),
         )
+
+
+# Gemma4Config's placeholder ids; transformers embeds them as pad_token_id in Gemma4Model.forward.
+_MEDIA_TOKEN_KEYS = ("image_token_id", "video_token_id", "audio_token_id")
 
 
 def _rope_of(rope: Any, layer_type: str, prefix: str, where: str) -> dict[str, Any]:

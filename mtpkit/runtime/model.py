@@ -113,8 +113,20 @@ class Gemma4TextModel(nn.Module):
         Writes each owning layer's K/V into `cache` at `positions` first (kv_cache.py: padding rule).
         """
         config = self.config
+        media = None
+        if config.media_token_ids:
+            # A multimodal checkpoint run text-only: placeholder ids embed as padding, and the per-layer
+            # inputs see the raw (unscaled) pad row there, as transformers' Gemma4Model does.
+            media = torch.isin(input_ids, torch.tensor(config.media_token_ids, device=input_ids.device))
+            input_ids = torch.where(media, config.pad_token_id or 0, input_ids)
         x = self.embed(input_ids)
-        per_layer = self.per_layer_inputs(input_ids, x) if config.hidden_size_per_layer_input else None
+        per_layer = None
+        if config.hidden_size_per_layer_input:
+            ple_embeds = x
+            if media is not None:
+                pad_row = self.embed_tokens.weight[config.pad_token_id or 0].to(x.dtype)
+                ple_embeds = torch.where(media[..., None], pad_row, x)
+            per_layer = self.per_layer_inputs(input_ids, ple_embeds)
         rope = {t: rotary(positions, x.dtype) for t, rotary in self.rotary.items()}
         masks = {t: attention_mask(positions, cache.max_len, config.sliding_window if t == "sliding_attention"
                                    else None) for t in config.attention}
