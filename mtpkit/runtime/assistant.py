@@ -77,7 +77,8 @@ def draft_mask(position: torch.Tensor, max_len: int, sliding_window: int | None 
 
 class _ProducerCache:
     """What the assistant's attention layers read as their cache: assistant layer i gets the target's
-    cache of the producer layer of layer i's attention type (Attention.forward calls read(i))."""
+    cache of the producer layer of layer i's attention type (Attention.forward calls read(i)).
+    Going through KVCache.read gives an FP8 cache's values dequantized with the producer's scales."""
 
     def __init__(self, cache: KVCache, sources: list[int]):
         self.cache, self.sources = cache, sources

@@ -74,5 +74,6 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer, positions, k, v)
         else:
             k, v = cache.read(self.layer)
+        # The cache's storage dtype (float32, bf16, or FP8 read back dequantized as float32) to ours.
         out = attend(q, k.to(q.dtype), v.to(q.dtype), mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))

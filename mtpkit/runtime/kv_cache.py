@@ -8,13 +8,27 @@ forward at the rejected positions again; stale slots beyond a query's position a
 Padding: a batch row with fewer tokens than the others gives its padding tokens positions at or
 after its real length (for example continuing its count). Their K/V land in slots the row's next
 real tokens overwrite before any query can see them, and their outputs are ignored.
+
+FP8 (dtype=torch.float8_e4m3fn): vLLM's static per-tensor KV scales. Each owning layer has one
+float32 scale for K and one for V; a write stores clamp(x / scale, -448, 448) as E4M3, a read returns
+fp8.float() * scale. A scale is either given (a checkpoint's self_attn.k_scale / v_scale, which
+compressed-tensors, llm-compressor and ModelOpt calibrate as amax / 448) or computed at the layer's
+first write (the prefill) as that write's amax / 448, padding tokens included, and then frozen: later
+tokens larger than the prefill's amax saturate at 448 * scale, as with vLLM's static scales.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 
 from mtpkit.runtime.config import TextConfig
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+Scales = Mapping[int, float | torch.Tensor] | Sequence[float | torch.Tensor | None]
 
 
 class KVCache:
@@ -26,13 +40,23 @@ class KVCache:
 
     Sliding-window layers keep the full max_len for now: the sliding mask hides slots outside the
     window, which keeps one write rule for every layer (a ring buffer would save memory).
+
+    `k_scales` / `v_scales` (FP8 only): per owning layer, a mapping layer -> scale or a list indexed
+    by layer (None for a layer without one); a layer without a given scale computes it at its first
+    write. `k_scale[layer]` / `v_scale[layer]` hold the scales in use (float32 scalars on the device).
     """
 
     def __init__(self, config: TextConfig, batch_size: int, max_len: int, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, k_scales: Scales | None = None,
+                 v_scales: Scales | None = None):
         self.batch_size = batch_size
         self.max_len = max_len
         self.dtype = dtype
+        self.fp8 = dtype == FP8
+        if not self.fp8 and (k_scales is not None or v_scales is not None):
+            raise ValueError(f"k_scales / v_scales need dtype={FP8}, not {dtype}")
+        if dtype.is_floating_point and dtype.itemsize == 1 and not self.fp8:
+            raise ValueError(f"unsupported 8-bit cache dtype {dtype}: only {FP8} is implemented")
         self.source = config.kv_source
         self.k: list[torch.Tensor | None] = []
         self.v: list[torch.Tensor | None] = []
@@ -45,10 +69,43 @@ class KVCache:
             shape = (batch_size, spec.num_key_value_heads, max_len, spec.head_dim)
             self.k.append(torch.zeros(shape, dtype=dtype, device=device))
             self.v.append(torch.zeros(shape, dtype=dtype, device=device))
+        if self.fp8:
+            given_k, given_v = self._given(k_scales, "k_scales", device), self._given(v_scales, "v_scales", device)
+            # Placeholders of 1.0 until the first write: an unwritten cache is zeros whatever the scale.
+            one = torch.ones((), dtype=torch.float32, device=device)
+            self.k_scale = [given_k.get(i, one.clone()) for i in range(config.num_hidden_layers)]
+            self.v_scale = [given_v.get(i, one.clone()) for i in range(config.num_hidden_layers)]
+            # Host-side flags, so the forward decides "compute or not" without a device sync.
+            self._pending = [(self.k[i] is not None and i not in given_k, self.k[i] is not None and i not in given_v)
+                             for i in range(config.num_hidden_layers)]
+
+    def _given(self, scales: Scales | None, name: str, device) -> dict[int, torch.Tensor]:
+        """The given scales as {owning layer: float32 scalar}; checked here, once, outside the forward."""
+        if scales is None:
+            return {}
+        items = scales.items() if isinstance(scales, Mapping) else enumerate(scales)
+        out = {}
+        for layer, scale in items:
+            if scale is None:
+                continue
+            if not 0 <= layer < len(self.k):
+                raise ValueError(f"{name}: no layer {layer} (the model has {len(self.k)})")
+            if self.k[layer] is None:
+                raise ValueError(f"{name}: layer {layer} is KV-shared and owns no cache to scale "
+                                 f"(it reads layer {self.source[layer]}'s)")
+            scale = torch.as_tensor(scale, dtype=torch.float32, device=device).detach().clone()
+            if scale.numel() != 1:
+                raise ValueError(f"{name}: layer {layer} has {scale.numel()} scales; only one per layer is supported")
+            scale = scale.reshape(())
+            if not bool(torch.isfinite(scale) & (scale > 0)):
+                raise ValueError(f"{name}: layer {layer} scale {float(scale)} is not a positive finite number")
+            out[layer] = scale
+        return out
 
     def update(self, layer: int, positions: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v `[B, kv_heads, T, head_dim]` at `positions` `[B, T]`; return the layer's whole cache.
+        """Write k, v `[B, kv_heads, T, head_dim]` at `positions` `[B, T]`; return the layer's whole cache
+        (dequantized to float32 for FP8, ready to attend).
 
         Positions must lie in [0, max_len) (not checked: that would need a device sync).
         """
@@ -59,11 +116,44 @@ class KVCache:
             raise ValueError(f"batch of {k.shape[0]} sequences, but the cache holds {self.batch_size}")
         # One index per (row, head, token, channel): scatter along the sequence dim, row by row.
         index = positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        k_cache.scatter_(2, index, k.to(self.dtype))
-        v_cache.scatter_(2, index, v.to(self.dtype))
-        return k_cache, v_cache
+        if not self.fp8:
+            k_cache.scatter_(2, index, k.to(self.dtype))
+            v_cache.scatter_(2, index, v.to(self.dtype))
+            return k_cache, v_cache
+        pending_k, pending_v = self._pending[layer]
+        if pending_k:
+            self.k_scale[layer].copy_(_amax_scale(k))
+        if pending_v:
+            self.v_scale[layer].copy_(_amax_scale(v))
+        self._pending[layer] = (False, False)
+        # CPU has no scatter for float8: scatter the same bytes as uint8 (CUDA takes the same path).
+        k_cache.view(torch.uint8).scatter_(2, index, quantize(k, self.k_scale[layer]).view(torch.uint8))
+        v_cache.view(torch.uint8).scatter_(2, index, quantize(v, self.v_scale[layer]).view(torch.uint8))
+        return self.read(layer)
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cache `layer` attends to: its own, or its producer's for a KV-shared layer."""
+        """The cache `layer` attends to: its own, or its producer's for a KV-shared layer (FP8: dequantized
+        to float32 with the producer's scales; attention casts to its own dtype)."""
         source = self.source[layer]
-        return self.k[source], self.v[source]
+        if not self.fp8:
+            return self.k[source], self.v[source]
+        return dequantize(self.k[source], self.k_scale[source]), dequantize(self.v[source], self.v_scale[source])
+
+    def bytes_per_token(self) -> int:
+        """Bytes of K/V storage one token of one sequence takes, over all owning layers (FP8 scales are
+        per layer, not per token, so they do not count)."""
+        return sum(t.shape[1] * t.shape[3] * t.element_size() for t in (*self.k, *self.v) if t is not None)
+
+
+def _amax_scale(x: torch.Tensor) -> torch.Tensor:
+    # An all-zero write would give scale 0 and 0 / 0 = NaN; the smallest normal float32 keeps it finite.
+    return (x.detach().abs().amax().float() / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale as E4M3, clamped first: an out-of-range cast would give NaN on some devices."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def dequantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.float() * scale
