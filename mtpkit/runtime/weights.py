@@ -1,9 +1,14 @@
-"""Load a checkpoint's text-decoder tensors into Gemma4TextModel by stripping one prefix."""
+"""Load a checkpoint's text-decoder tensors into Gemma4TextModel by stripping one prefix.
+
+Quantized Linear weights (FP8, NVFP4) load as they are stored, into QuantizedLinear modules (linears.py).
+"""
 
 from __future__ import annotations
 
 import torch
 
+from mtpkit.formats.dequantize import ACTIVATION_SCALE_SUFFIXES
+from mtpkit.runtime.linears import swap_quantized_linears
 from mtpkit.runtime.model import Gemma4TextModel
 
 # Gemma4ForConditionalGeneration nests the decoder; Gemma4ForCausalLM does not.
@@ -18,12 +23,16 @@ def load_text_state_dict(model: Gemma4TextModel, tensors: dict[str, torch.Tensor
     Missing or unexpected text tensors, or a shape that differs, raise ValueError naming them;
     vision and audio tensors are ignored. A tied lm_head is absent from checkpoints; an untied one
     is the top-level `lm_head.weight`.
+
+    A Linear whose tensors are quantized (weight + weight_scale, weight_packed, ...) is first replaced by a
+    QuantizedLinear that keeps them as stored. Activation and KV-cache scales (input_scale, input_global_scale,
+    k_scale, v_scale) are dropped: the runtime dequantizes weights only and runs activations unquantized.
     """
     prefix = next((p for p in _PREFIXES if any(name.startswith(p) for name in tensors)), "model.")
     state = {}
     unexpected = []
     for name, tensor in tensors.items():
-        if name.startswith(_OTHER_TOWERS):
+        if name.startswith(_OTHER_TOWERS) or name.rpartition(".")[2] in ACTIVATION_SCALE_SUFFIXES:
             continue
         if name.startswith(prefix):
             state[name[len(prefix):]] = tensor
@@ -31,6 +40,7 @@ def load_text_state_dict(model: Gemma4TextModel, tensors: dict[str, torch.Tensor
             state[name] = tensor
         elif name != "lm_head.weight":  # a tied lm_head written out anyway is the embedding again
             unexpected.append(name)
+    swap_quantized_linears(model, state)
     expected = model.state_dict()
     unexpected += [prefix + name for name in state if name not in expected]
     missing = [prefix + name for name in expected if name not in state]
