@@ -170,7 +170,7 @@ def bench_pair(name: str, ours_t, ours_a, hf_t, hf_a, prompts: list[list[int]], 
 def report_pair(r: dict) -> list[tuple[str, float, float]]:
     tps, same = r["tps"], r["same"]
     print(f"\n[{r['name']}]  tokens/s (median):  " + ", ".join(f"{m} {v:.1f}" for m, v in tps.items()))
-    print(f"  identical to our target-only greedy tokens: " + ", ".join(f"{m} {'yes' if s else 'NO'}"
+    print("  identical to our target-only greedy tokens: " + ", ".join(f"{m} {'yes' if s else 'NO'}"
                                                                       for m, s in same.items()))
     print(f"  mean tokens per target forward (prompt 0): real assistant {r['acceptance']['ours_spec']:.2f}, "
           f"forced acceptance {r['acceptance']['ours_forced']:.2f} (k={K})")
@@ -181,7 +181,7 @@ def report_pair(r: dict) -> list[tuple[str, float, float]]:
           f"{'identical' if tokens_ok else 'DIFFER'})  {verdict(spec >= SPEC_GOAL and tokens_ok)}")
     print(f"  2. target-only  ours/transformers greedy:   {target:5.2f}x  (goal >= {TARGET_GOAL:g}x)  "
           f"{verdict(target >= TARGET_GOAL and same['hf_greedy'])}")
-    print(f"  forced acceptance (upper bound of the round structure, not a real assistant):")
+    print("  forced acceptance (upper bound of the round structure, not a real assistant):")
     print(f"     ours forced / ours target-only:          {tps['ours_forced'] / tps['ours_greedy']:5.2f}x")
     print(f"     ours forced / transformers greedy:       {tps['ours_forced'] / tps['hf_greedy']:5.2f}x")
     print(f"     ours forced / transformers assisted:     {tps['ours_forced'] / tps['hf_assisted']:5.2f}x  "
