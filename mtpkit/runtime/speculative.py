@@ -69,6 +69,30 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+class GreedyPolicy:
+    """Greedy decoding: drafts are the assistant's greedy tokens, emitted tokens the target's argmax."""
+
+    def __init__(self, assistant):
+        self.assistant = assistant
+
+    def first(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(-1)
+
+    def draft(self, target, last, hidden, pos, cache, target_config, k):
+        drafts, token, h = [], last, hidden
+        for _ in range(k):  # k steps at the constant position pos, each feeding back its own output
+            h, token = self.assistant.step(target.embed(token[:, None])[:, 0], h, pos, cache, target_config)
+            drafts.append(token)
+        return drafts, None
+
+    def accept(self, target, chunk, verified, aux):
+        """(tokens [B, k+1], accepted [B]): emit tokens[:, :accepted + 1]; tokens[:, accepted] comes next."""
+        greedy = target.logits(verified).argmax(-1)  # greedy[:, j]: the target's token for pos + j + 1
+        # Accepted drafts: the prefix on which draft j equals the target's token before it.
+        accepted = (chunk[:, 1:] == greedy[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+        return greedy, accepted
+
+
 @torch.inference_mode()
 def generate_greedy(target: Gemma4TextModel, target_config: TextConfig, prompts: list[list[int]], *,
                     max_new_tokens: int, assistant=None, num_speculative_tokens: int = 4,
@@ -82,9 +106,21 @@ def generate_greedy(target: Gemma4TextModel, target_config: TextConfig, prompts:
     is ever emitted. Sequences run batched (right-padded prefill); a finished one keeps riding along
     at a frozen position, its output frozen.
     """
+    return run_rounds(target, target_config, prompts, GreedyPolicy(assistant), max_new_tokens=max_new_tokens,
+                      k=num_speculative_tokens if assistant is not None else 0, eos_token_ids=eos_token_ids,
+                      stop_token_ids=stop_token_ids, cache_dtype=cache_dtype, device=resolve_device(target, device))
+
+
+def resolve_device(target: Gemma4TextModel, device: torch.device | str | None) -> torch.device:
+    return torch.device(device) if device is not None else target.embed_tokens.weight.device
+
+
+def run_rounds(target: Gemma4TextModel, target_config: TextConfig, prompts: list[list[int]], policy, *,
+               max_new_tokens: int, k: int, eos_token_ids: Sequence[int], stop_token_ids: Sequence[int],
+               cache_dtype: torch.dtype, device: torch.device) -> tuple[list[list[int]], GenerationStats]:
+    """The loop greedy and sampled decoding share; `policy` picks the first token, drafts, and accepts."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    k = num_speculative_tokens if assistant is not None else 0
     if k < 0 or max_new_tokens < 0:
         raise ValueError("num_speculative_tokens and max_new_tokens must be >= 0")
     stats = GenerationStats(num_speculative_tokens=k, accepted_per_position=[0] * k)
@@ -92,7 +128,6 @@ def generate_greedy(target: Gemma4TextModel, target_config: TextConfig, prompts:
     if max_new_tokens == 0:
         stats.accepted_lengths = [[] for _ in prompts]
         return [[] for _ in prompts], stats
-    device = torch.device(device) if device is not None else target.embed_tokens.weight.device
     start = _clock(device)
 
     lengths = torch.tensor([len(p) for p in prompts], device=device)
@@ -104,7 +139,7 @@ def generate_greedy(target: Gemma4TextModel, target_config: TextConfig, prompts:
     hidden_all = target(ids, positions, cache)
     rows = torch.arange(batch, device=device)
     hidden = hidden_all[rows, lengths - 1]  # the last prompt token's: the one before `last`
-    last = target.logits(hidden).argmax(-1)
+    last = policy.first(target.logits(hidden))
     pos = lengths.clone()
 
     stops = torch.tensor(sorted({*eos_token_ids, *stop_token_ids}), dtype=torch.long, device=device)
@@ -118,35 +153,29 @@ def generate_greedy(target: Gemma4TextModel, target_config: TextConfig, prompts:
 
     while not bool(done.all()):  # the one host sync per round: whether to go on
         t0 = _clock(device)
-        drafts, token, h = [], last, hidden
-        for _ in range(k):  # k steps at the constant position pos, each feeding back its own output
-            h, token = assistant.step(target.embed(token[:, None])[:, 0], h, pos, cache, target_config)
-            drafts.append(token)
+        drafts, aux = policy.draft(target, last, hidden, pos, cache, target_config, k)
         t1 = _clock(device)
 
         chunk = torch.stack([last, *drafts], dim=1)  # [B, k+1] at pos .. pos+k
         verified = target(chunk, pos[:, None] + offsets, cache)
-        greedy = target.logits(verified).argmax(-1)  # greedy[:, j]: the target's token for pos + j + 1
-        # Accepted drafts: the prefix on which draft j equals the target's token before it.
-        matches = (chunk[:, 1:] == greedy[:, :-1]).long()
-        accepted = matches.cumprod(dim=1).sum(dim=1)  # [B]
+        tokens, accepted = policy.accept(target, chunk, verified, aux)
         active = ~done
 
-        # Emit greedy[:, :accepted + 1], cut after a stop token and at max_new_tokens.
+        # Emit tokens[:, :accepted + 1], cut after a stop token and at max_new_tokens.
         emit = accepted + 1
-        is_stop = torch.isin(greedy, stops) & (offsets < emit[:, None])
+        is_stop = torch.isin(tokens, stops) & (offsets < emit[:, None])
         first_stop = torch.where(is_stop, offsets, k + 1).min(dim=1).values
         emit = torch.minimum(torch.minimum(emit, first_stop + 1), max_new_tokens - count)
         emit = torch.where(active, emit, 0)
         # Writing the whole chunk is harmless: slots from count + emit on are rewritten or never read
         # (a finished row's count is frozen, so its output is too).
-        out.scatter_(1, count[:, None] + offsets, greedy)
+        out.scatter_(1, count[:, None] + offsets, tokens)
         count = count + emit
         done = done | (is_stop & (offsets < emit[:, None])).any(dim=1) | (count >= max_new_tokens)
 
-        # Next round: the new last token is the target's token after the accepted prefix; the hidden
-        # state is that of the token before it, the last accepted one, at chunk index `accepted`.
-        last = torch.where(active, greedy[rows, accepted], last)
+        # Next round: the new last token is the one after the accepted prefix; the hidden state is
+        # that of the token before it, the last accepted one, at chunk index `accepted`.
+        last = torch.where(active, tokens[rows, accepted], last)
         hidden = torch.where(active[:, None], verified[rows, accepted], hidden)
         pos = torch.where(active, pos + accepted + 1, pos)
         accepted_log.append(accepted)
