@@ -18,7 +18,7 @@ from mtpkit.convert.describe import describe
 from mtpkit.convert.draft import dump_json
 from mtpkit.convert.quantize_scope import CT_IGNORE, CT_TARGETS, QuantTarget, moe_expert_tensors, quantization_targets
 from mtpkit.convert.reshard import copy_other_files
-from mtpkit.convert.safetensors_file import TensorInfo, load_tensor
+from mtpkit.convert.safetensors_file import TensorInfo
 from mtpkit.convert.writer import TensorSpec, write_checkpoint_tensors
 from mtpkit.errors import CheckpointError, ConfigError
 from mtpkit.formats import compressed_tensors as ct
@@ -62,22 +62,22 @@ def _checked_groups(targets: list[QuantTarget], scheme: str, on_bytes: Callable[
     """Pass 1: validate every weight and return the amax of each fused group."""
     amax: dict[str, float] = {}
     for target in targets:
-        info = target.weight
-        if info.dtype not in FLOAT_DTYPES or len(info.shape) != 2:
-            raise CheckpointError(f"{info.name} is {info.dtype}{list(info.shape)}; a 2-D float weight is needed",
-                                  where=info.file, fix="start from the BF16 checkpoint")
-        weight = load_tensor(info)
+        name, file = target.module + ".weight", target.weight.file
+        if target.dtype not in FLOAT_DTYPES or len(target.shape) != 2:
+            raise CheckpointError(f"{name} is {target.dtype}{list(target.shape)}; a 2-D float weight is needed",
+                                  where=file, fix="start from the BF16 checkpoint")
+        weight = target.load()
         try:
-            check_finite(weight, info.name)
+            check_finite(weight, name)
         except ValueError as e:
-            raise CheckpointError(str(e), where=info.file, fix="repair or re-download the checkpoint") from e
+            raise CheckpointError(str(e), where=file, fix="repair or re-download the checkpoint") from e
         try:
-            value = check_weight(weight, scheme, info.name)
+            value = check_weight(weight, scheme, name)
         except ValueError as e:  # a shape the scheme cannot take; the message says what to use instead
-            raise CheckpointError(str(e), where=info.file) from e
+            raise CheckpointError(str(e), where=file) from e
         amax[target.group] = max(amax.get(target.group, 0.0), value)
         if on_bytes:
-            on_bytes(info.nbytes)
+            on_bytes(target.nbytes)
     return amax
 
 
@@ -94,11 +94,11 @@ class _Producer:
 
     def specs(self, targets: list[QuantTarget]) -> list[TensorSpec]:
         return [TensorSpec(f"{t.module}.{suffix}", dtype, shape) for t in targets
-                for suffix, (dtype, shape) in QuantizedWeight.layout(self.scheme, t.weight.dtype, t.weight.shape).items()]
+                for suffix, (dtype, shape) in QuantizedWeight.layout(self.scheme, t.dtype, t.shape).items()]
 
     def __call__(self, name: str):
         target, suffix = self.by_output[name]
-        quantized = quantize_weight(load_tensor(target.weight), self.scheme, self.amax[target.group],
+        quantized = quantize_weight(target.load(), self.scheme, self.amax[target.group],
                                     with_values=suffix in ("weight", "weight_packed"))
         if quantized.relative_error is not None:
             self.errors[target.module] = quantized.relative_error

@@ -12,7 +12,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from mtpkit.convert.safetensors_file import TensorInfo
+import torch
+
+from mtpkit.convert.safetensors_file import TensorInfo, load_tensor
 
 # `model.layers.N.` (text-only) or `model.language_model.layers.N.` (the multimodal wrapper).
 _DECODER_LINEAR = re.compile(
@@ -34,8 +36,24 @@ CT_IGNORE = ["lm_head", "re:.*per_layer.*", "re:.*router.*", "re:.*vision_tower.
 @dataclass(frozen=True)
 class QuantTarget:
     module: str  # e.g. model.layers.3.self_attn.q_proj
-    weight: TensorInfo
+    weight: TensorInfo  # the stored tensor the [out, in] weight is read from
     group: str  # modules of one fused group share a global / per-tensor scale
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.weight.shape)
+
+    @property
+    def dtype(self) -> str:
+        return self.weight.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    def load(self) -> torch.Tensor:
+        """The [out, in] weight, read from disk now (nothing is cached)."""
+        return load_tensor(self.weight)
 
 
 def matches(module: str, pattern: str) -> bool:
