@@ -5,15 +5,17 @@ from __future__ import annotations
 import json
 import statistics
 from enum import Enum
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from mtpkit.cli.app import app
-from mtpkit.cli.console import byte_progress, out
+from mtpkit.calibrate.data import DEFAULT_MAX_TOKENS
+from mtpkit.calibrate.pipeline import quantize_calibrated
+from mtpkit.cli.console import byte_progress, out, phase_progress
 from mtpkit.cli.options import Force, Json, Out, Revision, Src
 from mtpkit.convert.format_convert import convert_to_compressed_tensors
-from mtpkit.convert.quantize import quantize
 from mtpkit.convert.recipe import load_recipe
 from mtpkit.convert.source import open_source
 from mtpkit.errors import ConfigError
@@ -25,6 +27,10 @@ class Scheme(str, Enum):
     fp8_block = "fp8-block"
     nvfp4 = "nvfp4"
     nvfp4a16 = "nvfp4a16"
+
+
+class KVCache(str, Enum):
+    fp8 = "fp8"
 
 
 class Format(str, Enum):
@@ -43,6 +49,16 @@ def quantize_command(
                                                "YAML in llm-compressor's schema.")] = None,
     to: Annotated[Format | None, typer.Option("--to", help="Convert an already-quantized checkpoint to this "
                                               "format, losslessly (ModelOpt NVFP4 -> compressed-tensors).")] = None,
+    kv_cache: Annotated[KVCache, typer.Option("--kv-cache", help="fp8: calibrated per-layer k/v scales for an "
+                                              "FP8 KV cache (vLLM --kv-cache-dtype fp8).")] = None,
+    calib: Annotated[Path | None, typer.Option("--calib", help="Calibration text (.txt, blank-line separated) "
+                                               "or JSONL ({\"text\": ...} or {\"input_ids\": [...]}); default: "
+                                               "mtpkit's built-in sample set.")] = None,
+    calib_samples: Annotated[int | None, typer.Option("--calib-samples", help="Use at most this many samples.")] = None,
+    calib_tokens: Annotated[int, typer.Option("--calib-tokens", help="Truncate each sample to this many "
+                                              "tokens.")] = DEFAULT_MAX_TOKENS,
+    evaluate: Annotated[bool, typer.Option("--evaluate/--no-evaluate", help="Compare the output with the input on "
+                                           "the calibration text (logit error, perplexity).")] = True,
     revision: Revision = None,
     force: Force = False,
     as_json: Json = False,
@@ -52,12 +68,10 @@ def quantize_command(
         raise ConfigError("give exactly one of --scheme or --recipe (quantize a BF16 target) and --to (convert a "
                           "quantized one)", where="quantize", fix="e.g. --scheme nvfp4a16, or --to compressed-tensors")
     ignore: list[str] = []
+    kv = kv_cache is KVCache.fp8
     if recipe is not None:
         loaded = load_recipe(recipe)
-        if loaded.needs_calibration:
-            raise ConfigError(f"recipe {loaded.name} needs calibration (static activation or KV-cache scales), which "
-                              "this mtpkit cannot compute yet", where=loaded.source,
-                              fix="use fp8-dynamic, fp8-block or nvfp4a16")
+        kv = kv or loaded.kv_cache
         if loaded.targets != ["Linear"]:
             raise ConfigError(f"recipe targets {loaded.targets} are not supported (mtpkit quantizes the decoder "
                               "Linears, less `ignore`)", where=loaded.source, fix="use targets: [Linear] and ignore")
@@ -75,16 +89,30 @@ def quantize_command(
             out.print(f"wrote {converted.folder}: {converted.modules} {converted.source['method']} "
                       f"{converted.source['scheme']} modules in the compressed-tensors format", highlight=False)
         return
-    # Two passes over the quantized weights (check + amax, then write) and one over the rest.
-    with byte_progress("quantizing", 2 * checkpoint.total_bytes) as advance:
-        result = quantize(checkpoint, dest, scheme=scheme.value, fmt=fmt.value, ignore=ignore, force=force,
-                          on_bytes=advance)
+    with phase_progress() as progress:
+        result = quantize_calibrated(checkpoint, dest, scheme=scheme.value, fmt=fmt.value, ignore=ignore, kv_cache=kv,
+                                     calib=calib, calib_samples=calib_samples, calib_tokens=calib_tokens,
+                                     evaluate=evaluate, force=force, progress=progress)
     if as_json:
         print(json.dumps({"output": str(result.folder), **result.report}, indent=2))
         return
-    errors = list(result.report["relative_weight_error"].values())
-    out.print(f"wrote {result.folder}: {result.quantized} Linear weights as {result.scheme} (compressed-tensors); "
-              f"relative weight error median {statistics.median(errors):.4f}, max {max(errors):.4f}", highlight=False)
+    report = result.report
+    errors = list(report["relative_weight_error"].values())
+    out.print(f"wrote {result.folder}: {result.quantized} Linear weights as {result.scheme} ({report['format']}"
+              f"{', FP8 KV cache' if kv else ''}); relative weight error median {statistics.median(errors):.4f}, "
+              f"max {max(errors):.4f}", highlight=False)
+    if report["calibration"]:
+        c = report["calibration"]
+        out.print(f"calibrated on {c['samples']} samples, {c['tokens']} tokens of {c['source']}", highlight=False)
+    evaluation = report.get("evaluation")
+    if evaluation and "skipped" in evaluation:
+        out.print(f"not evaluated: {evaluation['skipped']}", highlight=False)
+    elif evaluation:
+        ppl = evaluation["perplexity"]
+        out.print(f"vs the original on {evaluation['tokens']} tokens: max |logit error| "
+                  f"{evaluation['max_abs_logit_error']:.4f}, mean {evaluation['mean_abs_logit_error']:.5f}, top-1 "
+                  f"agreement {evaluation['top1_agreement']:.1%}, perplexity {ppl['original']:.3f} -> "
+                  f"{ppl['quantized']:.3f}", highlight=False)
     experts = result.report["kept_unquantized"]["moe_experts"]
     if experts:
         out.print(f"kept {len(experts)} MoE expert tensors unquantized (expert quantization is not supported yet)",

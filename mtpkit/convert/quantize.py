@@ -12,17 +12,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtpkit.convert.atomic import atomic_output_dir
+from mtpkit.convert.atomic import atomic_output_dir, check_destination
 from mtpkit.convert.checkpoint import Checkpoint
 from mtpkit.convert.describe import describe
 from mtpkit.convert.draft import dump_json
 from mtpkit.convert.quantize_scope import CT_IGNORE, CT_TARGETS, QuantTarget, moe_expert_tensors, quantization_targets
+from mtpkit.convert.quantize_static import StaticScales, input_scale_tensors, kv_scale_tensors
 from mtpkit.convert.reshard import copy_other_files
 from mtpkit.convert.safetensors_file import TensorInfo
 from mtpkit.convert.writer import TensorSpec, write_checkpoint_tensors
 from mtpkit.errors import CheckpointError, ConfigError
 from mtpkit.formats import compressed_tensors as ct
 from mtpkit.formats.fp8 import check_finite
+from mtpkit.formats.gemma4 import TEXT_PREFIXES
 from mtpkit.formats.quant_math import QuantizedWeight, check_weight, quantize_weight
 
 REPORT_FILE = "mtpkit_quantize.json"
@@ -42,9 +44,6 @@ def _refuse_unsupported(checkpoint: Checkpoint, scheme: str, fmt: str, where: st
     if scheme not in ct.SCHEMES:
         raise ConfigError(f"--scheme {scheme!r} is not one of {', '.join(ct.SCHEMES)}", where=where,
                           fix="pick a scheme from `mtp-convert quantize --help`")
-    if scheme in ct.CALIBRATED:
-        raise ConfigError(f"--scheme {scheme} needs static activation scales from calibration, which this mtpkit "
-                          "cannot compute yet", where=where, fix=f"use one of {', '.join(WEIGHT_ONLY_OR_DYNAMIC)}")
     if fmt != "compressed-tensors":
         raise ConfigError(f"--format {fmt} needs calibrated input scales (ModelOpt stores static ones), which this "
                           "mtpkit cannot compute yet", where=where, fix="use --format compressed-tensors")
@@ -105,43 +104,105 @@ class _Producer:
         return quantized.tensors[suffix]
 
 
-def quantize(checkpoint: Checkpoint, out: str | Path, *, scheme: str, fmt: str = "compressed-tensors",
-             ignore: list[str] = (), force: bool = False,
-             on_bytes: Callable[[int], None] | None = None) -> QuantizeResult:
-    """`ignore`: more modules to keep unquantized (compressed-tensors patterns, e.g. from a recipe)."""
+@dataclass
+class QuantizePlan:
+    """A checked quantization: every refusal done and every weight read once (pass 1), before any output."""
+
+    checkpoint: Checkpoint
+    out: Path
+    scheme: str
+    fmt: str
+    ignore: list[str]  # the written `ignore`: mtpkit's own exclusions and the caller's
+    targets: list[QuantTarget]
+    amax: dict[str, float]  # fused group -> max |W|
+    kv_cache: bool
+    force: bool
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.scheme in ct.CALIBRATED or self.kv_cache
+
+
+def plan_quantization(checkpoint: Checkpoint, out: str | Path, *, scheme: str, fmt: str = "compressed-tensors",
+                      ignore: list[str] = (), kv_cache: bool = False, force: bool = False,
+                      on_bytes: Callable[[int], None] | None = None) -> QuantizePlan:
+    """Refuse what cannot be quantized, then validate every weight and take the fused groups' amax.
+
+    `ignore`: more modules to keep unquantized (compressed-tensors patterns, e.g. from a recipe).
+    """
     where = str(checkpoint.folder / "config.json")
     if checkpoint.config_only:
         raise CheckpointError("has no weights to quantize", where=checkpoint.folder,
                               fix="point at a folder with model.safetensors or an index and its shards")
+    check_destination(Path(out), force=force, sources=(checkpoint.folder,))
     _refuse_unsupported(checkpoint, scheme, fmt, where)
     targets = quantization_targets(checkpoint.tensors, ignore)
-    ignore = list(dict.fromkeys(CT_IGNORE + list(ignore)))  # ours always: those Linears are never quantized
     if not targets:
         raise CheckpointError("holds no decoder Linear weights (layers.N.self_attn/mlp.*_proj.weight)",
                               where=checkpoint.folder, fix="point at a Gemma 4 target checkpoint")
     amax = _checked_groups(targets, scheme, on_bytes)
-    producer = _Producer(targets, amax, scheme)
+    ignore = list(dict.fromkeys(CT_IGNORE + list(ignore)))  # ours always: those Linears are never quantized
+    return QuantizePlan(checkpoint, Path(out), scheme, fmt, ignore, targets, amax, kv_cache, force)
+
+
+def write_quantized(plan: QuantizePlan, *, scales: StaticScales | None = None,
+                    evaluate: Callable[[Path], dict] | None = None,
+                    on_bytes: Callable[[int], None] | None = None) -> QuantizeResult:
+    """Pass 2: write the output atomically.
+
+    `scales`: calibration results, needed by the static schemes (fp8, nvfp4) and by an FP8 KV cache.
+    `evaluate(folder)`: called on the finished output before it is moved into place; what it returns goes
+    into the report (the CLI runs the quantized model against the original there).
+    """
+    checkpoint, scheme, targets = plan.checkpoint, plan.scheme, plan.targets
+    where = str(checkpoint.folder / "config.json")
+    if plan.needs_calibration and scales is None:
+        raise ConfigError(f"--scheme {scheme}{' with an FP8 KV cache' if plan.kv_cache else ''} needs static scales "
+                          "from calibration", where=where, fix="calibrate first (the CLI does: --calib FILE, or the "
+                          "default sample set with the target's tokenizer.json)")
+    producer = _Producer(targets, plan.amax, scheme)
     replaced = {t.weight.name for t in targets}
     specs = [TensorSpec.of(info) for name, info in checkpoint.tensors.items() if name not in replaced]
     specs += producer.specs(targets)
+    static: dict[str, object] = {}
+    if scheme in ct.CALIBRATED:
+        static.update(input_scale_tensors(targets, scheme, scales))
+    if plan.kv_cache:
+        prefix = next((p for p in TEXT_PREFIXES if any(n.startswith(p) for n in checkpoint.tensors)), TEXT_PREFIXES[-1])
+        static.update(kv_scale_tensors(checkpoint.config, prefix, scales, where))
+    specs += [TensorSpec.of_tensor(name, tensor) for name, tensor in static.items()]
     experts = moe_expert_tensors(checkpoint.tensors)
     config = dict(checkpoint.config)
-    config["quantization_config"] = ct.quantization_config(scheme, CT_TARGETS, ignore)
+    config["quantization_config"] = ct.quantization_config(scheme, CT_TARGETS, plan.ignore, kv_cache=plan.kv_cache)
 
     def produce(spec: TensorSpec) -> TensorInfo | object:
         # FP8 keeps the name `weight`: ask the producer first, and copy only what it does not make.
-        return producer(spec.name) if spec.name in producer.by_output else checkpoint.tensors[spec.name]
+        if spec.name in producer.by_output:
+            return producer(spec.name)
+        return static[spec.name] if spec.name in static else checkpoint.tensors[spec.name]
 
-    with atomic_output_dir(out, force=force, sources=(checkpoint.folder,)) as tmp:
+    with atomic_output_dir(plan.out, force=plan.force, sources=(checkpoint.folder,)) as tmp:
         write_checkpoint_tensors(tmp, specs, produce, on_tensor=(lambda s: on_bytes(s.nbytes)) if on_bytes else None)
         (tmp / "config.json").write_text(dump_json(config), encoding="utf-8")
         copy_other_files(checkpoint, tmp, skip={"config.json", REPORT_FILE})
         report = {
-            "tool": "mtp-convert quantize", "scheme": scheme, "format": fmt,
+            "tool": "mtp-convert quantize", "scheme": scheme, "format": plan.fmt,
             "quantized_modules": len(targets),
             "relative_weight_error": {module: producer.errors[module] for module in sorted(producer.errors)},
-            "kept_unquantized": {"moe_experts": experts, "ignore": ignore},
-            "calibration": None,
+            "kept_unquantized": {"moe_experts": experts, "ignore": plan.ignore},
+            "calibration": scales.inputs if scales is not None else None,
+            "kv_cache": "fp8" if plan.kv_cache else None,
         }
+        if evaluate is not None:
+            report["evaluation"] = evaluate(tmp)
         (tmp / REPORT_FILE).write_text(dump_json(report), encoding="utf-8")
-    return QuantizeResult(Path(out), scheme, len(targets), report)
+    return QuantizeResult(plan.out, scheme, len(targets), report)
+
+
+def quantize(checkpoint: Checkpoint, out: str | Path, *, scheme: str, fmt: str = "compressed-tensors",
+             ignore: list[str] = (), force: bool = False, scales: StaticScales | None = None, kv_cache: bool = False,
+             on_bytes: Callable[[int], None] | None = None) -> QuantizeResult:
+    """plan_quantization + write_quantized, for callers that have their scales (or need none)."""
+    plan = plan_quantization(checkpoint, out, scheme=scheme, fmt=fmt, ignore=ignore, kv_cache=kv_cache, force=force,
+                             on_bytes=on_bytes)
+    return write_quantized(plan, scales=scales, on_bytes=on_bytes)

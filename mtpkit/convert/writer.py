@@ -46,6 +46,10 @@ class TensorSpec:
     def of(cls, info: TensorInfo) -> TensorSpec:
         return cls(info.name, info.dtype, info.shape)
 
+    @classmethod
+    def of_tensor(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
+        return cls(name, safetensors_dtype(tensor.dtype), tuple(tensor.shape))
+
 
 # A producer returns the tensor to write, or the TensorInfo of an unchanged source tensor to copy raw.
 Producer = Callable[[TensorSpec], "torch.Tensor | TensorInfo"]

@@ -18,6 +18,8 @@ ASSISTANT_MODEL_TYPE = "gemma4_assistant"
 # recognised so `inspect` can say what it is, but neither transformers nor vLLM loads it from disk.
 NONCANONICAL_ASSISTANT_TYPES = ("gemma4_mtp",)
 ATTENTION_TYPES = ("sliding_attention", "full_attention")
+# Where a checkpoint keeps the text decoder: Gemma4ForConditionalGeneration nests it, Gemma4ForCausalLM does not.
+TEXT_PREFIXES = ("model.language_model.", "model.")
 # transformers' default when a config omits layer_types: five sliding layers, then one full.
 _DEFAULT_SLIDING_PATTERN = 6
 # Far above any Gemma 4 model (60 layers at most); a bound so a typo cannot make us build huge lists.

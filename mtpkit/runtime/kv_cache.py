@@ -48,8 +48,11 @@ class KVCache:
 
     def __init__(self, config: TextConfig, batch_size: int, max_len: int, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, k_scales: Scales | None = None,
-                 v_scales: Scales | None = None):
+                 v_scales: Scales | None = None, lazy: bool = False):
+        """`lazy`: allocate no storage now; `allocate(layer)` and `release(layer)` manage it one layer at a time
+        (layer-by-layer passes such as calibration, where only the layers in flight need a cache)."""
         self.batch_size = batch_size
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.max_len = max_len
         self.dtype = dtype
         self.fp8 = dtype == FP8
@@ -67,8 +70,8 @@ class KVCache:
                 continue
             spec = config.spec(layer)
             shape = (batch_size, spec.num_key_value_heads, max_len, spec.head_dim)
-            self.k.append(torch.zeros(shape, dtype=dtype, device=device))
-            self.v.append(torch.zeros(shape, dtype=dtype, device=device))
+            self.k.append(torch.zeros(shape, dtype=dtype, device="meta" if lazy else device))
+            self.v.append(torch.zeros(shape, dtype=dtype, device="meta" if lazy else device))
         if self.fp8:
             given_k, given_v = self._given(k_scales, "k_scales", device), self._given(v_scales, "v_scales", device)
             # Placeholders of 1.0 until the first write: an unwritten cache is zeros whatever the scale.
@@ -78,6 +81,17 @@ class KVCache:
             # Host-side flags, so the forward decides "compute or not" without a device sync.
             self._pending = [(self.k[i] is not None and i not in given_k, self.k[i] is not None and i not in given_v)
                              for i in range(config.num_hidden_layers)]
+
+    def allocate(self, layer: int) -> None:
+        """Give an owning layer of a lazy cache its (zeroed) storage; a no-op when it has it."""
+        if self.k[layer] is not None and self.k[layer].is_meta:
+            self.k[layer] = torch.zeros(self.k[layer].shape, dtype=self.dtype, device=self.device)
+            self.v[layer] = torch.zeros(self.v[layer].shape, dtype=self.dtype, device=self.device)
+
+    def release(self, layer: int) -> None:
+        """Free an owning layer's storage once nothing will read it again (its scales stay)."""
+        if self.k[layer] is not None:
+            self.k[layer], self.v[layer] = self.k[layer].to("meta"), self.v[layer].to("meta")
 
     def _given(self, scales: Scales | None, name: str, device) -> dict[int, torch.Tensor]:
         """The given scales as {owning layer: float32 scalar}; checked here, once, outside the forward."""

@@ -6,6 +6,8 @@ so weights.load_text_state_dict only strips a prefix.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,12 +20,22 @@ from mtpkit.runtime.moe import Experts, Router
 from mtpkit.runtime.rope import RotaryEmbedding
 
 
+@dataclass
+class DecoderInputs:
+    embeds: torch.Tensor  # [B, T, H], the first layer's input
+    per_layer: torch.Tensor | None  # [B, T, num_layers, ple] (E2B / E4B)
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # attention type -> cos, sin
+    masks: dict[str, torch.Tensor]  # attention type -> additive mask
+    positions: torch.Tensor  # [B, T]
+
+
 class ScaledEmbedding(nn.Embedding):
     """Embedding times sqrt(dim), the scale rounded to the weight's dtype first, as transformers does
     (in bf16 sqrt(1536) = 39.19 becomes 39.25)."""
 
     def __init__(self, num: int, dim: int, scale: float):
         super().__init__(num, dim)
+        self.scale_value = scale  # kept to rebuild the buffer of a meta-device skeleton
         self.register_buffer("scale", torch.tensor(scale, dtype=torch.float32), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -107,11 +119,21 @@ class Gemma4TextModel(nn.Module):
         projected = self.per_layer_projection_norm(projected.reshape(shape))
         return (projected + tokens) * 2.0**-0.5
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Final-norm hidden states `[B, T, H]` of tokens `[B, T]` at `positions` `[B, T]`.
+    @classmethod
+    def skeleton(cls, config: TextConfig) -> Gemma4TextModel:
+        """The model with every parameter on the meta device (no memory), to be filled part by part with
+        `load_state_dict(..., assign=True)`. The computed buffers (RoPE frequencies, embedding scales) are
+        real: no checkpoint holds them."""
+        with torch.device("meta"):
+            model = cls(config)
+        model.rotary = nn.ModuleDict({t: RotaryEmbedding(spec) for t, spec in config.attention.items()})
+        for module in model.modules():
+            if isinstance(module, ScaledEmbedding):
+                module.scale = torch.tensor(module.scale_value, dtype=torch.float32)
+        return model
 
-        Writes each owning layer's K/V into `cache` at `positions` first (kv_cache.py: padding rule).
-        """
+    def prepare(self, input_ids: torch.Tensor, positions: torch.Tensor, max_len: int) -> DecoderInputs:
+        """Everything the decoder layers read besides the cache: embeddings, per-layer inputs, RoPE, masks."""
         config = self.config
         media = None
         if config.media_token_ids:
@@ -128,13 +150,25 @@ class Gemma4TextModel(nn.Module):
                 ple_embeds = torch.where(media[..., None], pad_row, x)
             per_layer = self.per_layer_inputs(input_ids, ple_embeds)
         rope = {t: rotary(positions, x.dtype) for t, rotary in self.rotary.items()}
-        masks = {t: attention_mask(positions, cache.max_len, config.sliding_window if t == "sliding_attention"
+        masks = {t: attention_mask(positions, max_len, config.sliding_window if t == "sliding_attention"
                                    else None) for t in config.attention}
-        for i, layer in enumerate(self.layers):
-            layer_type = config.layer_types[i]
-            cos, sin = rope[layer_type]
-            x = layer(x, per_layer[:, :, i] if per_layer is not None else None, cos, sin, masks[layer_type],
-                      positions, cache)
+        return DecoderInputs(x, per_layer, rope, masks, positions)
+
+    def run_layer(self, i: int, x: torch.Tensor, inputs: DecoderInputs, cache: KVCache) -> torch.Tensor:
+        cos, sin = inputs.rope[self.config.layer_types[i]]
+        per_layer = inputs.per_layer[:, :, i] if inputs.per_layer is not None else None
+        return self.layers[i](x, per_layer, cos, sin, inputs.masks[self.config.layer_types[i]], inputs.positions,
+                              cache)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Final-norm hidden states `[B, T, H]` of tokens `[B, T]` at `positions` `[B, T]`.
+
+        Writes each owning layer's K/V into `cache` at `positions` first (kv_cache.py: padding rule).
+        """
+        inputs = self.prepare(input_ids, positions, cache.max_len)
+        x = inputs.embeds
+        for i in range(len(self.layers)):
+            x = self.run_layer(i, x, inputs, cache)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
