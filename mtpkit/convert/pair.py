@@ -1,6 +1,7 @@
 """`pair`: a target and its canonical assistant in one folder, validated, with the exact launch lines.
 
-OUT/target/ is the target copied byte for byte; OUT/draft/ is the assistant after `draft`;
+OUT/target/ is the target copied byte for byte (or quantized, with `pair --quantize`); OUT/draft/ is the
+assistant after `draft`, in BF16 as vLLM serves it beside a quantized target;
 OUT/pair.json records the sources (with sha256 of every input file), the target's quantization,
 the rules applied to the draft, the validation results, the recommended number of speculative
 tokens and the `vllm serve` / `LLM(...)` lines for this pair. Nothing is written if `check` fails.
@@ -95,11 +96,18 @@ def _copy_target(target: Checkpoint, folder: Path, on_bytes: Callable[[int], Non
 
 
 def pair(target: Checkpoint, draft: Checkpoint, out: str | Path, *, dialect: str = "flat", force: bool = False,
+         write_target: Callable[[Path], dict] | None = None,
          on_bytes: Callable[[int], None] | None = None) -> PairResult:
+    """`write_target(folder)`: writes OUT/target itself (e.g. quantized) and returns a summary for pair.json;
+    without it the target is copied byte for byte."""
     out = Path(out)
     plan = plan_draft(draft, dialect=dialect)  # refuses an unusable assistant before anything is written
     with atomic_output_dir(out, force=force, sources=(target.folder, draft.folder)) as tmp:
-        _copy_target(target, tmp / "target", on_bytes)
+        produced = None
+        if write_target is None:
+            _copy_target(target, tmp / "target", on_bytes)
+        else:
+            produced = write_target(tmp / "target")
         (tmp / "draft").mkdir()
         plan.write_into(tmp / "draft", (lambda spec: on_bytes(spec.nbytes)) if on_bytes else None)
         written_target, written_draft = open_checkpoint(tmp / "target"), open_checkpoint(tmp / "draft")
@@ -113,15 +121,19 @@ def pair(target: Checkpoint, draft: Checkpoint, out: str | Path, *, dialect: str
                                  where=out, fix="fix what the checks name; nothing was written")
         tokens, why = recommended_tokens(target.config)
         final_target, final_draft = out.resolve() / "target", out.resolve() / "draft"
+        written_quantization = detect_quantization(written_target.config,
+                                                   written_target.read_json_file(HF_QUANT_CONFIG))
+        kv_scales = has_kv_scales(written_target)
         manifest = {
             "target": _origin(target),
             "draft": _origin(draft),
-            "target_quantization": detect_quantization(target.config, target.read_json_file(HF_QUANT_CONFIG)),
-            "target_kv_scales": has_kv_scales(target),
+            "target_quantization": written_quantization,
+            "target_quantized_by": produced,
+            "target_kv_scales": kv_scales,
             "draft_rules": [r.to_json() for r in plan.rules],
             "validation": [f.to_json() for f in findings],
             "num_speculative_tokens": {"value": tokens, "why": why},
-            "launch": launch_lines(final_target, final_draft, tokens, has_kv_scales(target)),
+            "launch": launch_lines(final_target, final_draft, tokens, kv_scales),
         }
         (tmp / PAIR_FILE).write_text(dump_json(manifest), encoding="utf-8")
     return PairResult(out, manifest, findings)

@@ -95,3 +95,34 @@ def test_published_pairs_config_only_get_the_published_token_count(cli, tmp_path
     assert manifest["num_speculative_tokens"]["value"] == PUBLISHED_TOKENS[model]
     assert _speculative_config(manifest["launch"]["vllm_serve"])["num_speculative_tokens"] == PUBLISHED_TOKENS[model]
     assert manifest["draft_rules"] == []  # the published assistants are already canonical
+
+
+def test_pair_quantize_writes_a_quantized_target_beside_a_bf16_draft(tiny, cli, tmp_path):
+    """`pair --quantize` equals `quantize` then `pair`: same target bytes, the draft untouched, FP8 KV launch."""
+    g = torch.Generator().manual_seed(7)
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"input_ids": torch.randint(3, 120, (9,), generator=g).tolist()}) + "\n"
+                             for _ in range(3)))
+    target, draft = tiny("e2b_like"), tiny("assistant_centroids")
+    out = tmp_path / "pair"
+    result = cli("pair", out, "--target", target, "--draft", draft, "--quantize", "nvfp4", "--kv-cache", "fp8",
+                 "--calib", calib)
+    assert result.code == 0, result.err
+    assert cli("quantize", target, tmp_path / "q", "--scheme", "nvfp4", "--kv-cache", "fp8", "--calib", calib).code == 0
+    assert tree_digest(out / "target") == tree_digest(tmp_path / "q")
+    manifest = json.loads((out / "pair.json").read_text())
+    assert manifest["target_quantization"]["scheme"] == "nvfp4" and manifest["target_kv_scales"] is True
+    assert manifest["target_quantized_by"]["scheme"] == "nvfp4" and manifest["target_quantized_by"]["kv_cache"] == "fp8"
+    assert manifest["target"]["path"] == str(target.resolve())  # the source, with its hashes
+    assert manifest["launch"]["vllm_serve"].endswith(" --kv-cache-dtype fp8")
+    draft_config = json.loads((out / "draft" / "config.json").read_text())
+    assert "quantization_config" not in draft_config and "quantization_config" not in draft_config["text_config"]
+    original, written = load_file(draft / "model.safetensors"), load_file(out / "draft" / "model.safetensors")
+    assert all(torch.equal(original[k], written[k]) for k in original)
+    assert cli("check", out).code == 0
+
+
+def test_pair_calibration_options_need_quantize(tiny, cli, tmp_path):
+    result = cli("pair", tmp_path / "p", "--target", tiny("e2b_like"), "--draft", tiny("assistant_centroids"),
+                 "--kv-cache", "fp8")
+    assert result.code == 2 and "--quantize" in result.err and not (tmp_path / "p").exists()
