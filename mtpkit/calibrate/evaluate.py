@@ -34,9 +34,7 @@ def _activation_hooks(quantized: TextCheckpoint, scheme: str) -> Callable[[int, 
         for name, module in layer.named_modules():
             if not isinstance(module, QuantizedLinear):
                 continue
-            base = f"{quantized.prefix}layers.{i}.{name}"
-            kwargs = {suffix: load_tensor(tensors[f"{base}.{suffix}"]) for suffix in ("input_scale", "input_global_scale")
-                      if f"{base}.{suffix}" in tensors}
+            kwargs = _input_scales(tensors, f"{quantized.prefix}layers.{i}.{name}", scheme)
 
             def hook(_module, args, kwargs=kwargs):
                 return (fake_quantize_input(args[0], scheme, **kwargs),)
@@ -45,15 +43,35 @@ def _activation_hooks(quantized: TextCheckpoint, scheme: str) -> Callable[[int, 
     return install
 
 
+def _input_scales(tensors: dict, module: str, scheme: str) -> dict[str, torch.Tensor]:
+    """The static input scale of one Linear, as fake_quantize_input takes it, from either format."""
+    if f"{module}.input_global_scale" in tensors:  # compressed-tensors NVFP4
+        return {"input_global_scale": load_tensor(tensors[f"{module}.input_global_scale"])}
+    if f"{module}.input_scale" not in tensors:
+        return {}
+    value = load_tensor(tensors[f"{module}.input_scale"])
+    if scheme == "nvfp4":  # ModelOpt multiplies by its input_scale where compressed-tensors divides
+        return {"input_global_scale": 1 / value.float()}
+    return {"input_scale": value}
+
+
 def _kv_scales(quantized: TextCheckpoint) -> dict | None:
-    """The written k_scale / v_scale of each cache-owning layer, or None without an FP8 KV cache."""
+    """The written k_scale / v_scale of each cache-owning layer, or None without an FP8 KV cache.
+
+    compressed-tensors keeps them on the attention (`self_attn.k_scale`), ModelOpt on the projection
+    (`self_attn.k_proj.k_scale`)."""
     tensors, config = quantized.checkpoint.tensors, quantized.config
-    names = {kind: {layer: f"{quantized.prefix}layers.{layer}.self_attn.{kind}_scale"
-                    for layer in range(config.num_hidden_layers) if not config.is_kv_shared(layer)} for kind in "kv"}
-    if not all(name in tensors for kind in names.values() for name in kind.values()):
-        return None
-    return {f"{kind}_scales": {layer: load_tensor(tensors[name]).float() for layer, name in names[kind].items()}
-            for kind in "kv"}
+    found: dict[str, dict[int, torch.Tensor]] = {"k_scales": {}, "v_scales": {}}
+    for layer in range(config.num_hidden_layers):
+        if config.is_kv_shared(layer):
+            continue
+        attn = f"{quantized.prefix}layers.{layer}.self_attn"
+        for kind in "kv":
+            name = next((n for n in (f"{attn}.{kind}_scale", f"{attn}.{kind}_proj.{kind}_scale") if n in tensors), None)
+            if name is None:
+                return None
+            found[f"{kind}_scales"][layer] = load_tensor(tensors[name]).float()
+    return found
 
 
 def evaluate_quantization(original: TextCheckpoint, quantized: TextCheckpoint, scheme: str,
@@ -82,9 +100,17 @@ def evaluate_quantization(original: TextCheckpoint, quantized: TextCheckpoint, s
         nll["original"] += float(F.cross_entropy(ref[:-1], tokens[1:], reduction="sum"))
         nll["quantized"] += float(F.cross_entropy(cand[:-1], tokens[1:], reduction="sum"))
         predicted += len(tokens) - 1
+    if scheme == "nvfp4a16":
+        activations = "unquantized (weight-only scheme)"
+    elif any(".experts." in name and name.endswith(("input_scale", "input_global_scale", "weight_packed", ".weight"))
+             for name in quantized.checkpoint.tensors):
+        # The runtime runs a layer's experts fused and dense: there is no per-expert Linear to quantize inputs at.
+        activations = "quantized as served, except the MoE experts' inputs"
+    else:
+        activations = "quantized as served"
     return {
         "samples": len(calibration.sequences), "tokens": calibration.tokens,
-        "activations": "quantized as served" if scheme != "nvfp4a16" else "bf16 (weight-only scheme)",
+        "activations": activations,
         "kv_cache": "fp8 with the written scales" if kv else "unquantized",
         "max_abs_logit_error": max_error, "mean_abs_logit_error": error_sum / count,
         "top1_agreement": agree / calibration.tokens,

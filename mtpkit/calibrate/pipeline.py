@@ -37,14 +37,14 @@ def _phase(progress: Progress, what: str, total: int) -> Callable[[int], None] |
 
 
 def quantize_calibrated(checkpoint: Checkpoint, out: str | Path, *, scheme: str, fmt: str = "compressed-tensors",
-                        ignore: list[str] = (), kv_cache: bool = False, calib: str | Path | None = None,
+                        ignore: list[str] = (), targets: list[str] = ("Linear",), kv_cache: bool = False, calib: str | Path | None = None,
                         calib_samples: int | None = None, calib_tokens: int = DEFAULT_MAX_TOKENS,
                         evaluate: bool = True, force: bool = False, progress: Progress = Progress()) -> QuantizeResult:
     """Check everything first (refusals, every weight, the calibration inputs), then calibrate, write, evaluate."""
     # Pass 1 (validate, amax) and pass 2 (write) each read the quantized weights once.
     advance = _phase(progress, "checking", checkpoint.total_bytes)
-    plan = plan_quantization(checkpoint, out, scheme=scheme, fmt=fmt, ignore=ignore, kv_cache=kv_cache, force=force,
-                             on_bytes=advance)
+    plan = plan_quantization(checkpoint, out, scheme=scheme, fmt=fmt, ignore=ignore, targets=list(targets),
+                             kv_cache=kv_cache, force=force, on_bytes=advance)
     calibration: CalibrationSet | None = None
     skipped = None
     if plan.needs_calibration or evaluate:

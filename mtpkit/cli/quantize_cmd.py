@@ -15,7 +15,7 @@ from mtpkit.calibrate.data import DEFAULT_MAX_TOKENS
 from mtpkit.calibrate.pipeline import quantize_calibrated
 from mtpkit.cli.console import byte_progress, out, phase_progress
 from mtpkit.cli.options import Force, Json, Out, Revision, Src
-from mtpkit.convert.format_convert import convert_to_compressed_tensors
+from mtpkit.convert.format_convert import convert_to_compressed_tensors, convert_to_modelopt
 from mtpkit.convert.recipe import load_recipe
 from mtpkit.convert.source import open_source
 from mtpkit.errors import ConfigError
@@ -48,7 +48,7 @@ def quantize_command(
     recipe: Annotated[str | None, typer.Option("--recipe", help="A shipped recipe name (see recipes/) or a recipe "
                                                "YAML in llm-compressor's schema.")] = None,
     to: Annotated[Format | None, typer.Option("--to", help="Convert an already-quantized checkpoint to this "
-                                              "format, losslessly (ModelOpt NVFP4 -> compressed-tensors).")] = None,
+                                              "format, losslessly (ModelOpt <-> compressed-tensors).")] = None,
     kv_cache: Annotated[KVCache, typer.Option("--kv-cache", help="fp8: calibrated per-layer k/v scales for an "
                                               "FP8 KV cache (vLLM --kv-cache-dtype fp8).")] = None,
     calib: Annotated[Path | None, typer.Option("--calib", help="Calibration text (.txt, blank-line separated) "
@@ -68,29 +68,27 @@ def quantize_command(
         raise ConfigError("give exactly one of --scheme or --recipe (quantize a BF16 target) and --to (convert a "
                           "quantized one)", where="quantize", fix="e.g. --scheme nvfp4a16, or --to compressed-tensors")
     ignore: list[str] = []
+    targets = ["Linear"]
     kv = kv_cache is KVCache.fp8
     if recipe is not None:
         loaded = load_recipe(recipe)
         kv = kv or loaded.kv_cache
-        if loaded.targets != ["Linear"]:
-            raise ConfigError(f"recipe targets {loaded.targets} are not supported (mtpkit quantizes the decoder "
-                              "Linears, less `ignore`)", where=loaded.source, fix="use targets: [Linear] and ignore")
-        scheme, ignore = Scheme(loaded.scheme), loaded.ignore
+        scheme, ignore, targets = Scheme(loaded.scheme), loaded.ignore, loaded.targets
     checkpoint = open_source(src, revision=revision)
     if to is not None:
-        if to is not Format.compressed_tensors:
-            raise ConfigError(f"--to {to.value} is not supported yet", where="quantize", fix="use --to compressed-tensors")
+        convert = convert_to_modelopt if to is Format.modelopt else convert_to_compressed_tensors
         with byte_progress("converting", checkpoint.total_bytes) as advance:
-            converted = convert_to_compressed_tensors(checkpoint, dest, force=force, on_bytes=advance)
+            converted = convert(checkpoint, dest, force=force, on_bytes=advance)
         summary = {"output": str(converted.folder), "from": converted.source, "modules": converted.modules}
         if as_json:
             print(json.dumps(summary, indent=2))
         else:
             out.print(f"wrote {converted.folder}: {converted.modules} {converted.source['method']} "
-                      f"{converted.source['scheme']} modules in the compressed-tensors format", highlight=False)
+                      f"{converted.source['scheme']} modules in the {to.value} format", highlight=False)
         return
     with phase_progress() as progress:
-        result = quantize_calibrated(checkpoint, dest, scheme=scheme.value, fmt=fmt.value, ignore=ignore, kv_cache=kv,
+        result = quantize_calibrated(checkpoint, dest, scheme=scheme.value, fmt=fmt.value, ignore=ignore, targets=targets,
+                                     kv_cache=kv,
                                      calib=calib, calib_samples=calib_samples, calib_tokens=calib_tokens,
                                      evaluate=evaluate, force=force, progress=progress)
     if as_json:
@@ -115,5 +113,5 @@ def quantize_command(
                   f"{ppl['quantized']:.3f}", highlight=False)
     experts = result.report["kept_unquantized"]["moe_experts"]
     if experts:
-        out.print(f"kept {len(experts)} MoE expert tensors unquantized (expert quantization is not supported yet)",
+        out.print(f"kept {len(experts)} MoE expert tensors unquantized (not selected by the targets / ignore)",
                   highlight=False)

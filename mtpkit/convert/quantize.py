@@ -15,8 +15,10 @@ from pathlib import Path
 from mtpkit.convert.atomic import atomic_output_dir, check_destination
 from mtpkit.convert.checkpoint import Checkpoint
 from mtpkit.convert.describe import describe
-from mtpkit.convert.draft import dump_json
-from mtpkit.convert.quantize_scope import CT_IGNORE, CT_TARGETS, QuantTarget, moe_expert_tensors, quantization_targets
+from mtpkit.convert.draft import HF_QUANT_CONFIG, dump_json
+from mtpkit.convert.quantize_scope import CT_IGNORE, CT_TARGETS, QuantTarget, moe_expert_tensors, quantization_targets, \
+    replaced_tensors
+from mtpkit.convert.quantize_output import ModelOptOutput
 from mtpkit.convert.quantize_static import StaticScales, input_scale_tensors, kv_scale_tensors
 from mtpkit.convert.reshard import copy_other_files
 from mtpkit.convert.safetensors_file import TensorInfo
@@ -24,10 +26,11 @@ from mtpkit.convert.writer import TensorSpec, write_checkpoint_tensors
 from mtpkit.errors import CheckpointError, ConfigError
 from mtpkit.formats import compressed_tensors as ct
 from mtpkit.formats.fp8 import check_finite
-from mtpkit.formats.gemma4 import TEXT_PREFIXES
+from mtpkit.formats.gemma4 import text_prefix
 from mtpkit.formats.quant_math import QuantizedWeight, check_weight, quantize_weight
 
 REPORT_FILE = "mtpkit_quantize.json"
+FORMATS = ("compressed-tensors", "modelopt")
 WEIGHT_ONLY_OR_DYNAMIC = ("fp8-dynamic", "fp8-block", "nvfp4a16")
 FLOAT_DTYPES = ("F16", "BF16", "F32")
 
@@ -44,9 +47,9 @@ def _refuse_unsupported(checkpoint: Checkpoint, scheme: str, fmt: str, where: st
     if scheme not in ct.SCHEMES:
         raise ConfigError(f"--scheme {scheme!r} is not one of {', '.join(ct.SCHEMES)}", where=where,
                           fix="pick a scheme from `mtp-convert quantize --help`")
-    if fmt != "compressed-tensors":
-        raise ConfigError(f"--format {fmt} needs calibrated input scales (ModelOpt stores static ones), which this "
-                          "mtpkit cannot compute yet", where=where, fix="use --format compressed-tensors")
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}", where=where,
+                          fix="use --format compressed-tensors or --format modelopt")
     description = describe(checkpoint)
     if description.role != "target":
         raise ConfigError("is an assistant; only targets are quantized (vLLM serves the assistant in BF16)",
@@ -113,10 +116,12 @@ class QuantizePlan:
     scheme: str
     fmt: str
     ignore: list[str]  # the written `ignore`: mtpkit's own exclusions and the caller's
+    ct_targets: list[str]  # the written `targets` (compressed-tensors syntax)
     targets: list[QuantTarget]
     amax: dict[str, float]  # fused group -> max |W|
     kv_cache: bool
     force: bool
+    modelopt: ModelOptOutput | None  # the mapping to ModelOpt's format, for --format modelopt
 
     @property
     def needs_calibration(self) -> bool:
@@ -124,25 +129,34 @@ class QuantizePlan:
 
 
 def plan_quantization(checkpoint: Checkpoint, out: str | Path, *, scheme: str, fmt: str = "compressed-tensors",
-                      ignore: list[str] = (), kv_cache: bool = False, force: bool = False,
-                      on_bytes: Callable[[int], None] | None = None) -> QuantizePlan:
+                      ignore: list[str] = (), targets: list[str] = tuple(CT_TARGETS), kv_cache: bool = False,
+                      force: bool = False, on_bytes: Callable[[int], None] | None = None) -> QuantizePlan:
     """Refuse what cannot be quantized, then validate every weight and take the fused groups' amax.
 
-    `ignore`: more modules to keep unquantized (compressed-tensors patterns, e.g. from a recipe).
+    `targets` / `ignore`: which modules to quantize, in compressed-tensors' syntax (e.g. from a recipe):
+    "Linear" is every decoder Linear, MoE experts included (one per expert projection, as llm-compressor
+    unpacks them); `re:` patterns and exact names select modules; `ignore` adds to mtpkit's exclusions.
     """
+    ct_targets = list(targets)
     where = str(checkpoint.folder / "config.json")
     if checkpoint.config_only:
         raise CheckpointError("has no weights to quantize", where=checkpoint.folder,
                               fix="point at a folder with model.safetensors or an index and its shards")
     check_destination(Path(out), force=force, sources=(checkpoint.folder,))
     _refuse_unsupported(checkpoint, scheme, fmt, where)
-    targets = quantization_targets(checkpoint.tensors, ignore)
+    targets = quantization_targets(checkpoint.tensors, ignore, ct_targets)
     if not targets:
-        raise CheckpointError("holds no decoder Linear weights (layers.N.self_attn/mlp.*_proj.weight)",
-                              where=checkpoint.folder, fix="point at a Gemma 4 target checkpoint")
-    amax = _checked_groups(targets, scheme, on_bytes)
+        raise CheckpointError(f"holds no decoder Linear weights that targets {ct_targets} select "
+                              "(layers.N.self_attn/mlp.*_proj.weight, layers.N.experts.*)",
+                              where=checkpoint.folder, fix="point at a Gemma 4 target checkpoint, or widen the targets")
     ignore = list(dict.fromkeys(CT_IGNORE + list(ignore)))  # ours always: those Linears are never quantized
-    return QuantizePlan(checkpoint, Path(out), scheme, fmt, ignore, targets, amax, kv_cache, force)
+    modelopt = None
+    if fmt == "modelopt":
+        dense_experts = moe_expert_tensors(checkpoint.tensors, ignore, ct_targets)
+        modelopt = ModelOptOutput(scheme, targets, checkpoint.tensors, ignore, dense_experts, kv_cache, where)
+    amax = _checked_groups(targets, scheme, on_bytes)
+    return QuantizePlan(checkpoint, Path(out), scheme, fmt, ignore, ct_targets, targets, amax, kv_cache, force,
+                        modelopt)
 
 
 def write_quantized(plan: QuantizePlan, *, scales: StaticScales | None = None,
@@ -161,30 +175,43 @@ def write_quantized(plan: QuantizePlan, *, scales: StaticScales | None = None,
                           "from calibration", where=where, fix="calibrate first (the CLI does: --calib FILE, or the "
                           "default sample set with the target's tokenizer.json)")
     producer = _Producer(targets, plan.amax, scheme)
-    replaced = {t.weight.name for t in targets}
+    replaced = replaced_tensors(targets)  # a 3-D expert tensor is replaced by its per-expert Linears
     specs = [TensorSpec.of(info) for name, info in checkpoint.tensors.items() if name not in replaced]
     specs += producer.specs(targets)
     static: dict[str, object] = {}
     if scheme in ct.CALIBRATED:
         static.update(input_scale_tensors(targets, scheme, scales))
     if plan.kv_cache:
-        prefix = next((p for p in TEXT_PREFIXES if any(n.startswith(p) for n in checkpoint.tensors)), TEXT_PREFIXES[-1])
+        prefix = text_prefix(checkpoint.tensors)
         static.update(kv_scale_tensors(checkpoint.config, prefix, scales, where))
     specs += [TensorSpec.of_tensor(name, tensor) for name, tensor in static.items()]
-    experts = moe_expert_tensors(checkpoint.tensors)
+    experts = moe_expert_tensors(checkpoint.tensors, plan.ignore, plan.ct_targets)
     config = dict(checkpoint.config)
-    config["quantization_config"] = ct.quantization_config(scheme, CT_TARGETS, plan.ignore, kv_cache=plan.kv_cache)
+    config["quantization_config"] = ct.quantization_config(scheme, plan.ct_targets, plan.ignore, kv_cache=plan.kv_cache)
+    side_files = {}
+    if plan.modelopt is not None:
+        specs = [plan.modelopt.spec(spec) for spec in specs]
+        config["quantization_config"], side_files[HF_QUANT_CONFIG] = plan.modelopt.configs()
+
+    def produce_ct(name: str) -> TensorInfo | object:
+        # FP8 keeps the name `weight`: ask the producer first, and copy only what it does not make.
+        if name in producer.by_output:
+            return producer(name)
+        return static[name] if name in static else checkpoint.tensors[name]
 
     def produce(spec: TensorSpec) -> TensorInfo | object:
-        # FP8 keeps the name `weight`: ask the producer first, and copy only what it does not make.
-        if spec.name in producer.by_output:
-            return producer(spec.name)
-        return static[spec.name] if spec.name in static else checkpoint.tensors[spec.name]
+        if plan.modelopt is None:
+            return produce_ct(spec.name)
+        name = plan.modelopt.ct_name(spec.name)
+        value = produce_ct(name)
+        return value if isinstance(value, TensorInfo) else plan.modelopt.value(name, value)
 
     with atomic_output_dir(plan.out, force=plan.force, sources=(checkpoint.folder,)) as tmp:
         write_checkpoint_tensors(tmp, specs, produce, on_tensor=(lambda s: on_bytes(s.nbytes)) if on_bytes else None)
         (tmp / "config.json").write_text(dump_json(config), encoding="utf-8")
-        copy_other_files(checkpoint, tmp, skip={"config.json", REPORT_FILE})
+        for file, content in side_files.items():
+            (tmp / file).write_text(dump_json(content), encoding="utf-8")
+        copy_other_files(checkpoint, tmp, skip={"config.json", REPORT_FILE, HF_QUANT_CONFIG})
         report = {
             "tool": "mtp-convert quantize", "scheme": scheme, "format": plan.fmt,
             "quantized_modules": len(targets),
@@ -200,9 +227,10 @@ def write_quantized(plan: QuantizePlan, *, scales: StaticScales | None = None,
 
 
 def quantize(checkpoint: Checkpoint, out: str | Path, *, scheme: str, fmt: str = "compressed-tensors",
-             ignore: list[str] = (), force: bool = False, scales: StaticScales | None = None, kv_cache: bool = False,
+             ignore: list[str] = (), targets: list[str] = tuple(CT_TARGETS), force: bool = False,
+             scales: StaticScales | None = None, kv_cache: bool = False,
              on_bytes: Callable[[int], None] | None = None) -> QuantizeResult:
     """plan_quantization + write_quantized, for callers that have their scales (or need none)."""
-    plan = plan_quantization(checkpoint, out, scheme=scheme, fmt=fmt, ignore=ignore, kv_cache=kv_cache, force=force,
-                             on_bytes=on_bytes)
+    plan = plan_quantization(checkpoint, out, scheme=scheme, fmt=fmt, ignore=ignore, targets=targets,
+                             kv_cache=kv_cache, force=force, on_bytes=on_bytes)
     return write_quantized(plan, scales=scales, on_bytes=on_bytes)

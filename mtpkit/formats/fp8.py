@@ -52,7 +52,9 @@ def scale_layout(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...],
         return "tensor"
     if tuple(scale_shape) in ((out_features,), (out_features, 1)):
         return "channel"
-    if tuple(scale_shape) == block_grid(out_features, in_features, block):
+    grid = block_grid(out_features, in_features, block)
+    # ModelOpt keeps the reduced block axes: [out/128, 1, in/128, 1] is the same grid.
+    if tuple(scale_shape) in (grid, (grid[0], 1, grid[1], 1)):
         return "block"
     rows, cols = block_grid(out_features, in_features, block)
     raise ValueError(
@@ -64,6 +66,7 @@ def scale_layout(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...],
 def expand_block_scale(scale: torch.Tensor, out_features: int, in_features: int,
                        block: tuple[int, int] = FP8_BLOCK_SIZE) -> torch.Tensor:
     """Repeat each tile's scale over its tile, then cut the padding off the partial edge tiles."""
+    scale = scale.reshape(block_grid(out_features, in_features, block))  # ModelOpt's 4-D grid too
     full = scale.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
     return full[:out_features, :in_features]
 

@@ -20,6 +20,11 @@ NONCANONICAL_ASSISTANT_TYPES = ("gemma4_mtp",)
 ATTENTION_TYPES = ("sliding_attention", "full_attention")
 # Where a checkpoint keeps the text decoder: Gemma4ForConditionalGeneration nests it, Gemma4ForCausalLM does not.
 TEXT_PREFIXES = ("model.language_model.", "model.")
+
+
+def text_prefix(tensor_names) -> str:
+    """The prefix of the text decoder's tensors in a checkpoint with these tensor names."""
+    return next((p for p in TEXT_PREFIXES if any(n.startswith(p) for n in tensor_names)), TEXT_PREFIXES[-1])
 # transformers' default when a config omits layer_types: five sliding layers, then one full.
 _DEFAULT_SLIDING_PATTERN = 6
 # Far above any Gemma 4 model (60 layers at most); a bound so a typo cannot make us build huge lists.

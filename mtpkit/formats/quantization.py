@@ -10,11 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from mtpkit.errors import ConfigError
+from mtpkit.formats import modelopt
 
 # compressed-tensors preset name -> mtpkit scheme name (the `--scheme` values of `quantize`).
 CT_PRESET_TO_SCHEME = {"FP8_DYNAMIC": "fp8-dynamic", "FP8": "fp8", "FP8_BLOCK": "fp8-block", "NVFP4": "nvfp4",
                        "NVFP4A16": "nvfp4a16"}
-MODELOPT_ALGO_TO_SCHEME = {"FP8": "fp8", "NVFP4": "nvfp4", "FP8_PB_WO": "fp8-block", "W4A16_NVFP4": "nvfp4a16"}
+# ModelOpt quant_algo (upper-cased: ModelOpt writes fp8_pb_wo, vLLM upper-cases before matching) -> mtpkit scheme.
+MODELOPT_ALGO_TO_SCHEME = {algo.upper(): scheme for scheme, algo in modelopt.QUANT_ALGOS.items()}
 # The fields that tell schemes apart; the rest (observer, scale dtype) do not change the on-disk layout.
 _ARG_FIELDS = ("num_bits", "type", "strategy", "group_size", "block_structure", "dynamic")
 
@@ -58,15 +60,35 @@ def _kv_name(kind: Any, bits: Any) -> str:
     return "fp8" if (kind, bits) == ("float", 8) else f"{kind}{bits}"
 
 
+def _modelopt_kv(section: dict) -> str | None:
+    """hf_quant_config's `kv_cache_quant_algo` string, or the `kv_cache_scheme` ModelOpt writes into config.json
+    instead (a {type, num_bits} dict for FP8; for other algorithms it passes the string through)."""
+    kv = section.get("kv_cache_quant_algo") or section.get("kv_cache_scheme")
+    if isinstance(kv, dict):
+        return _kv_name(kv.get("type"), kv.get("num_bits"))
+    return str(kv).lower() if kv else None
+
+
+def _modelopt_group_size(section: dict) -> Any:
+    """hf_quant_config's `group_size`; config.json carries it only inside its config groups' weight arguments."""
+    if section.get("group_size") is not None:
+        return section["group_size"]
+    groups = section.get("config_groups")
+    for group in groups.values() if isinstance(groups, dict) else ():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if isinstance(weights, dict) and weights.get("group_size") is not None:
+            return weights["group_size"]
+    return None
+
+
 def _modelopt(section: dict, source: str) -> dict[str, Any]:
     algo = section.get("quant_algo")
-    kv = section.get("kv_cache_quant_algo")
     return {
         "method": "modelopt",
-        "scheme": MODELOPT_ALGO_TO_SCHEME.get(str(algo), str(algo).lower() if algo else "unknown"),
+        "scheme": MODELOPT_ALGO_TO_SCHEME.get(str(algo).upper(), str(algo).lower() if algo else "unknown"),
         "quant_algo": algo,
-        "group_size": section.get("group_size"),
-        "kv_cache": str(kv).lower() if kv else None,
+        "group_size": _modelopt_group_size(section),
+        "kv_cache": _modelopt_kv(section),
         "ignore": list(section.get("exclude_modules") or section.get("ignore") or []),
         "source": source,
     }

@@ -14,8 +14,9 @@ from mtpkit.convert.checkpoint import Checkpoint
 from mtpkit.convert.safetensors_file import load_tensor
 from mtpkit.errors import CheckpointError, ConfigError
 from mtpkit.formats.dequantize import ACTIVATION_SCALE_SUFFIXES, WEIGHT_SCALE_SUFFIXES
-from mtpkit.formats.gemma4 import TEXT_PREFIXES
+from mtpkit.formats.gemma4 import text_prefix
 from mtpkit.runtime import Gemma4TextModel, TextConfig, swap_quantized_linears
+from mtpkit.runtime.moe import fuse_expert_tensors
 
 # The parts of Gemma4TextModel outside its decoder layers that a checkpoint holds.
 OUTER_PARTS = ("embed_tokens", "embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm",
@@ -33,7 +34,7 @@ class TextCheckpoint:
             raise ConfigError(str(e), where=where, fix="point at a Gemma 4 target") from None
         self.checkpoint = checkpoint
         names = checkpoint.tensors
-        self.prefix = next((p for p in TEXT_PREFIXES if any(n.startswith(p) for n in names)), TEXT_PREFIXES[-1])
+        self.prefix = text_prefix(names)
         embed = names.get(self.prefix + "embed_tokens.weight")
         if embed is None:
             raise CheckpointError(f"has no {self.prefix}embed_tokens.weight", where=checkpoint.folder,
@@ -58,6 +59,14 @@ class TextCheckpoint:
         """Fill `model.<part>` (e.g. "layers.3", "embed_tokens", "lm_head") from the checkpoint, strictly."""
         module = model.get_submodule(part)
         state = self._state(part)
+        if part.startswith("layers."):
+            # MoE experts stored per expert (quantized checkpoints) become the fused tensors Experts holds.
+            named = {f"{part}.{name}": tensor for name, tensor in state.items()}
+            try:
+                fuse_expert_tensors(model, named, self.prefix)
+            except ValueError as e:
+                raise CheckpointError(str(e), where=self.checkpoint.folder, fix="check the checkpoint") from None
+            state = {name[len(part) + 1:]: tensor for name, tensor in named.items()}
         swap_quantized_linears(module, state)
         for name, tensor in state.items():
             # Stored FP8 / FP4 codes and their scales stay as written; everything else computes in self.dtype.

@@ -204,3 +204,16 @@ def test_plan_modules_groups_names_and_drops_scales():
                        "model.layers.0.mlp.up_proj.weight_scale_2"]
     attn = plans["model.layers.0.self_attn"]
     assert not attn.quantized and attn.drop == ["model.layers.0.self_attn.k_scale", "model.layers.0.self_attn.v_scale"]
+
+
+def test_modelopt_block_scale_keeps_its_reduced_axes():
+    """ModelOpt's FP8_PB_WO stores the block scale as [out/128, 1, in/128, 1] (vLLM squeezes it): same values."""
+    from mtpkit.formats.fp8 import dequantize_fp8, fp8_weight_scale, quantize_fp8
+
+    torch.manual_seed(0)
+    weight = torch.randn(256, 384)
+    scale = fp8_weight_scale(weight, "block")
+    codes = quantize_fp8(weight, scale)
+    four_d = scale.reshape(scale.shape[0], 1, scale.shape[1], 1)
+    assert torch.equal(dequantize_fp8(codes, four_d, torch.float32), dequantize_fp8(codes, scale, torch.float32))
+    assert torch.equal(quantize_fp8(weight, four_d), codes)
