@@ -48,3 +48,24 @@ def test_gemma4_mtp_on_disk_is_rejected_by_vllm_and_repaired_by_draft(tiny, tiny
         _speculative(tiny("dense_31b_like"), broken)
     assert cli("draft", broken, tmp_path / "draft").code == 0
     assert _speculative(tiny("dense_31b_like"), tmp_path / "draft").method == "mtp"
+
+
+@pytest.mark.parametrize(("scheme", "fmt", "method"), [
+    ("nvfp4", "compressed-tensors", "compressed-tensors"), ("fp8", "compressed-tensors", "compressed-tensors"),
+    ("nvfp4", "modelopt", "modelopt_fp4"), ("nvfp4a16", "modelopt", "modelopt_fp4"), ("fp8", "modelopt", "modelopt"),
+    ("fp8-dynamic", "modelopt", "modelopt")])
+def test_vllm_reads_our_quantized_targets(tiny, cli, tmp_path, scheme, fmt, method):
+    """`quantize` outputs (FP8 KV cache included) resolve to vLLM's quantization method and parse in its config
+    class; paired with an assistant, the draft stays unquantized."""
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text(json.dumps({"input_ids": list(range(3, 40))}) + "\n")
+    out = tmp_path / "q"
+    assert cli("quantize", tiny("e2b_like"), out, "--scheme", scheme, "--format", fmt, "--kv-cache", "fp8",
+               "--calib", calib).code == 0
+    assert cli("pair", tmp_path / "pair", "--target", out, "--draft", tiny("assistant_centroids")).code == 0
+    spec = _speculative(tmp_path / "pair" / "target", tmp_path / "pair" / "draft")
+    assert spec.target_model_config.quantization == method and spec.draft_model_config.quantization is None
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    get_quantization_config(method).from_config(config)  # raises on anything vLLM cannot read
