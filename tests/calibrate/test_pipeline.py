@@ -28,12 +28,8 @@ LENGTHS = (7, 5, 6, 7)  # within the fixtures' sliding window, so transformers' 
 
 
 @pytest.fixture
-def calib(tmp_path):
-    g = torch.Generator().manual_seed(3)
-    sequences = [torch.randint(3, 120, (n,), generator=g) for n in LENGTHS]
-    path = tmp_path / "calib.jsonl"
-    path.write_text("".join(json.dumps({"input_ids": s.tolist()}) + "\n" for s in sequences))
-    return path, sequences
+def calib(calib_file):
+    return calib_file(LENGTHS, 3)
 
 
 def _group_max(ranges: dict[str, float], module: str) -> float:

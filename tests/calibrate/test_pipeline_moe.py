@@ -20,12 +20,8 @@ PER_EXPERT = r"model.layers.{layer}.experts.{e}.{proj}"
 
 
 @pytest.fixture
-def calib(tmp_path):
-    g = torch.Generator().manual_seed(11)
-    sequences = [torch.randint(3, 120, (n,), generator=g) for n in (9, 6, 12)]
-    path = tmp_path / "calib.jsonl"
-    path.write_text("".join(json.dumps({"input_ids": s.tolist()}) + "\n" for s in sequences))
-    return path, sequences
+def calib(calib_file):
+    return calib_file((9, 6, 12), 11)
 
 
 def _experts_inputs(folder, sequences):

@@ -23,12 +23,8 @@ from tests.conftest import tree_digest
 
 
 @pytest.fixture
-def calib(tmp_path):
-    g = torch.Generator().manual_seed(13)
-    sequences = [torch.randint(3, 120, (n,), generator=g) for n in (7, 6, 5)]
-    path = tmp_path / "calib.jsonl"
-    path.write_text("".join(json.dumps({"input_ids": s.tolist()}) + "\n" for s in sequences))
-    return path, sequences
+def calib(calib_file):
+    return calib_file((7, 6, 5), 13)
 
 
 @pytest.mark.parametrize(("name", "scheme"), [("e2b_like", "nvfp4"), ("dense_31b_like", "fp8"),
