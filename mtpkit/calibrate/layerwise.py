@@ -31,7 +31,8 @@ class LayerwiseStream:
         self.caches = [cache_factory(self.config, 1, len(s), lazy=True, **kwargs) for s in sequences]
         self.sequences = list(sequences)
         with torch.inference_mode():
-            self.inputs = [self.model.prepare(s[None], torch.arange(len(s))[None], len(s)) for s in sequences]
+            self.inputs = [self.model.prepare(s[None], torch.arange(len(s))[None], cache)
+                           for s, cache in zip(sequences, self.caches)]
         self.hidden = [inputs.embeds for inputs in self.inputs]
         # The last layer that reads each owning layer's cache: after it, the storage can go.
         self.last_reader = {source: layer for layer, source in enumerate(self.config.kv_source)}

@@ -59,17 +59,21 @@ def kv_producers_of(config: TextConfig) -> dict[str, int]:
     return {config.layer_types[i]: i for i in range(config.first_kv_shared_layer)}  # later layers win
 
 
-def draft_mask(position: torch.Tensor, max_len: int, sliding_window: int | None = None) -> torch.Tensor:
-    """Boolean `[B, 1, 1, max_len]`: the target cache slots a draft query at `position` `[B]` attends.
+def draft_mask(position: torch.Tensor, max_len: int, sliding_window: int | None = None,
+               key_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean `[B, 1, 1, S]`: the target cache keys a draft query at `position` `[B]` attends.
 
-    Slots strictly before the position: the token at `position` is not in the target's cache yet
-    (its slot may hold a rejected draft), as in transformers' first draft round, where the shared K/V
-    are the prompt's. Sliding layers see the last sliding_window + 1 of those slots: transformers
-    builds this mask bidirectionally, |q - kv| <= window (inclusive), then flips it onto the most
-    recent slots, so it keeps one slot more than the target's own causal window.
+    Keys are the cache slots (slot s holds position s) unless `key_positions` `[B, S]` names them (a
+    sliding ring's view; -1 for none). Keys strictly before the position: the token at `position` is not
+    in the target's cache yet (its slot may hold a rejected draft), as in transformers' first draft round,
+    where the shared K/V are the prompt's. Sliding layers see the last sliding_window + 1 of those:
+    transformers builds this mask bidirectionally, |q - kv| <= window (inclusive), then flips it onto the
+    most recent slots, so it keeps one slot more than the target's own causal window.
     """
-    distance = position[:, None, None, None] - torch.arange(max_len, device=position.device)
-    allowed = distance > 0
+    if key_positions is None:
+        key_positions = torch.arange(max_len, device=position.device)[None]
+    distance = position[:, None, None, None] - key_positions[:, None, None, :]
+    allowed = (distance > 0) & (key_positions[:, None, None, :] >= 0)
     if sliding_window is not None:
         allowed = allowed & (distance <= sliding_window + 1)
     return allowed
@@ -152,8 +156,8 @@ class Gemma4Assistant(nn.Module):
         x = torch.cat([token_embedding, hidden], dim=-1).to(self.pre_projection.weight.dtype)
         x = self.pre_projection(x)[:, None]  # [B, 1, H]: one query per row
         positions = position[:, None]
-        masks = {t: draft_mask(position, target_cache.max_len,
-                               config.sliding_window if t == "sliding_attention" else None) for t in config.attention}
+        masks = {t: draft_mask(position, target_cache.max_len, config.sliding_window if t == "sliding_attention"
+                               else None, target_cache.key_positions(t)) for t in config.attention}
         rope = {t: rotary(positions, x.dtype) for t, rotary in self.rotary.items()}
         for i, layer in enumerate(self.layers):
             layer_type = config.layer_types[i]

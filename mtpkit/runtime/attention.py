@@ -11,18 +11,22 @@ from mtpkit.runtime.layers import RMSNorm
 from mtpkit.runtime.rope import apply_rotary
 
 
-def attention_mask(positions: torch.Tensor, max_len: int, sliding_window: int | None = None) -> torch.Tensor:
-    """Boolean `[B, 1, T, max_len]`, True where a query may attend a cache slot.
+def attention_mask(positions: torch.Tensor, max_len: int, sliding_window: int | None = None,
+                   key_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean `[B, 1, T, S]`, True where a query may attend a key.
 
-    Slot s holds position s (kv_cache.py), so causality is `s <= position` per row, and the sliding
-    window is transformers' `kv_idx > q_idx - sliding_window`. Every query sees at least its own
-    slot, so no row is fully masked.
+    Keys are the cache slots, slot s holding position s (kv_cache.py), unless `key_positions` `[B, S]`
+    says which position each key holds (a sliding ring; -1 for an empty or stale slot). Causality is
+    `key <= position` per row, and the sliding window transformers' `kv_idx > q_idx - sliding_window`.
+    Every query sees at least its own token, so no row is fully masked.
     """
-    slots = torch.arange(max_len, device=positions.device)
+    if key_positions is None:
+        key_positions = torch.arange(max_len, device=positions.device)[None]
+    keys = key_positions[:, None, None, :]
     query = positions[:, None, :, None]
-    allowed = slots <= query
+    allowed = (keys <= query) & (keys >= 0)
     if sliding_window is not None:
-        allowed = allowed & (query - slots < sliding_window)
+        allowed = allowed & (query - keys < sliding_window)
     return allowed
 
 

@@ -24,9 +24,11 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from mtpkit.runtime.config import TextConfig
+from mtpkit.runtime.kv_ring import SlidingRing
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
+SLIDING = "sliding_attention"
 
 Scales = Mapping[int, float | torch.Tensor] | Sequence[float | torch.Tensor | None]
 
@@ -38,8 +40,11 @@ class KVCache:
     cache of the last non-shared layer of their attention type (`TextConfig.kv_source`), as
     transformers' `kv_sharing_modes` "reuse" layers do.
 
-    Sliding-window layers keep the full max_len for now: the sliding mask hides slots outside the
-    window, which keeps one write rule for every layer (a ring buffer would save memory).
+    Sliding-window layers: with `sliding_slack` (the most tokens a forward writes past the accepted ones,
+    k + 1 for speculative decoding), each keeps a ring of sliding_window + sliding_slack slots instead of
+    max_len (kv_ring.py); without it they keep max_len slots and the sliding mask hides the rest. A ring
+    layer's update returns [ring ; new tokens] and `key_positions(layer_type)` gives their positions for
+    the masks; reading it (KV-shared layers, the assistant) gives the view of the last forward.
 
     `k_scales` / `v_scales` (FP8 only): per owning layer, a mapping layer -> scale or a list indexed
     by layer (None for a layer without one); a layer without a given scale computes it at its first
@@ -48,7 +53,7 @@ class KVCache:
 
     def __init__(self, config: TextConfig, batch_size: int, max_len: int, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, k_scales: Scales | None = None,
-                 v_scales: Scales | None = None, lazy: bool = False):
+                 v_scales: Scales | None = None, lazy: bool = False, sliding_slack: int | None = None):
         """`lazy`: allocate no storage now; `allocate(layer)` and `release(layer)` manage it one layer at a time
         (layer-by-layer passes such as calibration, where only the layers in flight need a cache)."""
         self.batch_size = batch_size
@@ -61,6 +66,12 @@ class KVCache:
         if dtype.is_floating_point and dtype.itemsize == 1 and not self.fp8:
             raise ValueError(f"unsupported 8-bit cache dtype {dtype}: only {FP8} is implemented")
         self.source = config.kv_source
+        self.ring = None
+        window = config.sliding_window
+        if sliding_slack is not None and window and window + sliding_slack < max_len:
+            self.ring = SlidingRing(batch_size, window + sliding_slack, self.device)
+        self.ring_layers = set()
+        self._fresh: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # ring layer -> its last forward's view
         self.k: list[torch.Tensor | None] = []
         self.v: list[torch.Tensor | None] = []
         for layer in range(config.num_hidden_layers):
@@ -69,7 +80,11 @@ class KVCache:
                 self.v.append(None)
                 continue
             spec = config.spec(layer)
-            shape = (batch_size, spec.num_key_value_heads, max_len, spec.head_dim)
+            slots = max_len
+            if self.ring is not None and config.layer_types[layer] == SLIDING:
+                slots = self.ring.size + 1
+                self.ring_layers.add(layer)
+            shape = (batch_size, spec.num_key_value_heads, slots, spec.head_dim)
             self.k.append(torch.zeros(shape, dtype=dtype, device="meta" if lazy else device))
             self.v.append(torch.zeros(shape, dtype=dtype, device="meta" if lazy else device))
         if self.fp8:
@@ -81,6 +96,16 @@ class KVCache:
             # Host-side flags, so the forward decides "compute or not" without a device sync.
             self._pending = [(self.k[i] is not None and i not in given_k, self.k[i] is not None and i not in given_v)
                              for i in range(config.num_hidden_layers)]
+
+    def begin_forward(self, positions: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Called once per forward, before any layer writes: plans the ring writes (no-op without a ring)."""
+        if self.ring is not None:
+            self.ring.begin(positions, valid)
+            self._fresh.clear()
+
+    def key_positions(self, layer_type: str) -> torch.Tensor | None:
+        """`[B, S]` positions of what layers of this type attend, for a ring; None: slot s holds position s."""
+        return self.ring.key_positions if self.ring is not None and layer_type == SLIDING else None
 
     def allocate(self, layer: int) -> None:
         """Give an owning layer of a lazy cache its (zeroed) storage; a no-op when it has it."""
@@ -128,35 +153,78 @@ class KVCache:
             raise ValueError(f"layer {layer} is KV-shared: it reads layer {self.source[layer]}'s cache")
         if k.shape[0] != self.batch_size:
             raise ValueError(f"batch of {k.shape[0]} sequences, but the cache holds {self.batch_size}")
+        if layer in self.ring_layers:
+            return self._update_ring(layer, k, v)
         # One index per (row, head, token, channel): scatter along the sequence dim, row by row.
         index = positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
         if not self.fp8:
             k_cache.scatter_(2, index, k.to(self.dtype))
             v_cache.scatter_(2, index, v.to(self.dtype))
             return k_cache, v_cache
+        self._fix_scales(layer, k, v)
+        # CPU has no scatter for float8: scatter the same bytes as uint8 (CUDA takes the same path).
+        k_cache.view(torch.uint8).scatter_(2, index, quantize(k, self.k_scale[layer]).view(torch.uint8))
+        v_cache.view(torch.uint8).scatter_(2, index, quantize(v, self.v_scale[layer]).view(torch.uint8))
+        return self.read(layer)
+
+    def _fix_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """At a layer's first write, compute the FP8 scales it was not given (then frozen)."""
         pending_k, pending_v = self._pending[layer]
         if pending_k:
             self.k_scale[layer].copy_(_amax_scale(k))
         if pending_v:
             self.v_scale[layer].copy_(_amax_scale(v))
         self._pending[layer] = (False, False)
-        # CPU has no scatter for float8: scatter the same bytes as uint8 (CUDA takes the same path).
-        k_cache.view(torch.uint8).scatter_(2, index, quantize(k, self.k_scale[layer]).view(torch.uint8))
-        v_cache.view(torch.uint8).scatter_(2, index, quantize(v, self.v_scale[layer]).view(torch.uint8))
-        return self.read(layer)
+
+    def _update_ring(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        size = self.ring.size
+        old_k, old_v = self._stored(layer)
+        if self.fp8:
+            self._fix_scales(layer, k, v)
+            k_stored, v_stored = quantize(k, self.k_scale[layer]), quantize(v, self.v_scale[layer])
+            new_k, new_v = dequantize(k_stored, self.k_scale[layer]), dequantize(v_stored, self.v_scale[layer])
+            k_stored, v_stored = k_stored.view(torch.uint8), v_stored.view(torch.uint8)
+            k_cache, v_cache = self.k[layer].view(torch.uint8), self.v[layer].view(torch.uint8)
+        else:
+            new_k = k_stored = k.to(self.dtype)
+            new_v = v_stored = v.to(self.dtype)
+            k_cache, v_cache = self.k[layer], self.v[layer]
+        # Attend the ring as it was and the new tokens (old first: the write below may evict some of them).
+        view = torch.cat([old_k[:, :, :size], new_k], dim=2), torch.cat([old_v[:, :, :size], new_v], dim=2)
+        index = self.ring.write_index(k.shape[1], k.shape[3])
+        k_cache.scatter_(2, index, k_stored)
+        v_cache.scatter_(2, index, v_stored)
+        self._fresh[layer] = view
+        return view
+
+    def _stored(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.fp8:
+            return self.k[layer], self.v[layer]
+        return dequantize(self.k[layer], self.k_scale[layer]), dequantize(self.v[layer], self.v_scale[layer])
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The cache `layer` attends to: its own, or its producer's for a KV-shared layer (FP8: dequantized
-        to float32 with the producer's scales; attention casts to its own dtype)."""
+        to float32 with the producer's scales; attention casts to its own dtype). For a ring layer, the view
+        of the last forward (key_positions gives its positions), or the ring itself before any forward."""
         source = self.source[layer]
+        if source in self.ring_layers:
+            if source in self._fresh:
+                return self._fresh[source]
+            k, v = self._stored(source)
+            return k[:, :, :self.ring.size], v[:, :, :self.ring.size]
         if not self.fp8:
             return self.k[source], self.v[source]
         return dequantize(self.k[source], self.k_scale[source]), dequantize(self.v[source], self.v_scale[source])
 
     def bytes_per_token(self) -> int:
         """Bytes of K/V storage one token of one sequence takes, over all owning layers (FP8 scales are
-        per layer, not per token, so they do not count)."""
+        per layer, not per token, so they do not count). Ring layers count too, as if unbounded: this is
+        the per-token cost; `nbytes` is what the cache holds."""
         return sum(t.shape[1] * t.shape[3] * t.element_size() for t in (*self.k, *self.v) if t is not None)
+
+    def nbytes(self) -> int:
+        """Bytes of K/V storage the cache holds (a ring layer holds its window, not max_len)."""
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v) if t is not None)
 
 
 def _amax_scale(x: torch.Tensor) -> torch.Tensor:

@@ -132,8 +132,14 @@ class Gemma4TextModel(nn.Module):
                 module.scale = torch.tensor(module.scale_value, dtype=torch.float32)
         return model
 
-    def prepare(self, input_ids: torch.Tensor, positions: torch.Tensor, max_len: int) -> DecoderInputs:
-        """Everything the decoder layers read besides the cache: embeddings, per-layer inputs, RoPE, masks."""
+    def prepare(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                valid: torch.Tensor | None = None) -> DecoderInputs:
+        """Everything the decoder layers read besides the cache: embeddings, per-layer inputs, RoPE, masks.
+
+        Starts the cache's forward (its sliding ring plans the writes; `valid` `[B, T]` marks the real tokens
+        of a padded batch, so padding is not kept there).
+        """
+        cache.begin_forward(positions, valid)
         config = self.config
         media = None
         if config.media_token_ids:
@@ -150,8 +156,8 @@ class Gemma4TextModel(nn.Module):
                 ple_embeds = torch.where(media[..., None], pad_row, x)
             per_layer = self.per_layer_inputs(input_ids, ple_embeds)
         rope = {t: rotary(positions, x.dtype) for t, rotary in self.rotary.items()}
-        masks = {t: attention_mask(positions, max_len, config.sliding_window if t == "sliding_attention"
-                                   else None) for t in config.attention}
+        masks = {t: attention_mask(positions, cache.max_len, config.sliding_window if t == "sliding_attention"
+                                   else None, cache.key_positions(t)) for t in config.attention}
         return DecoderInputs(x, per_layer, rope, masks, positions)
 
     def run_layer(self, i: int, x: torch.Tensor, inputs: DecoderInputs, cache: KVCache) -> torch.Tensor:
@@ -160,12 +166,14 @@ class Gemma4TextModel(nn.Module):
         return self.layers[i](x, per_layer, cos, sin, inputs.masks[self.config.layer_types[i]], inputs.positions,
                               cache)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                valid: torch.Tensor | None = None) -> torch.Tensor:
         """Final-norm hidden states `[B, T, H]` of tokens `[B, T]` at `positions` `[B, T]`.
 
-        Writes each owning layer's K/V into `cache` at `positions` first (kv_cache.py: padding rule).
+        Writes each owning layer's K/V into `cache` at `positions` first (kv_cache.py: padding rule;
+        `valid` marks the real tokens of a padded batch).
         """
-        inputs = self.prepare(input_ids, positions, cache.max_len)
+        inputs = self.prepare(input_ids, positions, cache, valid)
         x = inputs.embeds
         for i in range(len(self.layers)):
             x = self.run_layer(i, x, inputs, cache)

@@ -7,8 +7,8 @@ them form the accepted prefix, and the target's token after that prefix comes fr
 k = 0 the round is plain greedy decoding, one token per forward.
 
 Rejected drafts are undone by nothing: their slots lie at or after the next round's first position,
-which the next verify overwrites before any target query reads them, and the assistant reads only
-slots strictly before its position (assistant.draft_mask).
+which the next verify overwrites before any target query reads them (a sliding ring masks them as
+stale: kv_ring.py), and the assistant reads only positions strictly before its own (assistant.draft_mask).
 
 Per sequence state between rounds, as transformers' SinglePositionMultiTokenCandidateGenerator keeps:
   last   the newest token, generated but not yet in the cache, at position `pos`
@@ -43,6 +43,7 @@ class GenerationStats:
     draft_time: float = 0.0
     verify_time: float = 0.0  # target forwards + acceptance bookkeeping after the prefill
     total_time: float = 0.0
+    kv_cache_bytes: int = 0  # K/V storage the target's cache held (sliding layers: their ring)
 
     @property
     def acceptance_rate_per_position(self) -> list[float]:
@@ -133,10 +134,14 @@ def run_rounds(target: Gemma4TextModel, target_config: TextConfig, prompts: list
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     width = int(lengths.max())
     # Room for the longest prompt, every output token, and one verify chunk running past the end.
-    cache = KVCache(target_config, batch, width + max_new_tokens + k + 1, dtype=cache_dtype, device=device)
+    # Sliding layers keep a ring of window + k + 1 slots: a verify chunk writes k + 1 tokens past the
+    # accepted ones, and the draft's sliding mask reaches one slot further back than the target's.
+    cache = KVCache(target_config, batch, width + max_new_tokens + k + 1, dtype=cache_dtype, device=device,
+                    sliding_slack=k + 2)
     ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=device)
     positions = torch.arange(width, device=device).expand(batch, -1)  # padding continues each row (kv_cache.py)
-    hidden_all = target(ids, positions, cache)
+    hidden_all = target(ids, positions, cache, valid=positions < lengths[:, None])
+    stats.kv_cache_bytes = cache.nbytes()
     rows = torch.arange(batch, device=device)
     hidden = hidden_all[rows, lengths - 1]  # the last prompt token's: the one before `last`
     last = policy.first(target.logits(hidden))

@@ -186,7 +186,7 @@ def test_the_window_plus_one_matters(pair, target, assistant, monkeypatch):
     step = reference_round(ref, ref_draft, seq)[0]
     cache, _, _ = prefill(ours, [seq])
     real = assistant_module.draft_mask
-    monkeypatch.setattr(assistant_module, "draft_mask", lambda p, n, w=None: real(p, n, w - 1 if w else w))
+    monkeypatch.setattr(assistant_module, "draft_mask", lambda p, n, w=None, kp=None: real(p, n, w - 1 if w else w, kp))
     with torch.inference_mode():
         got, _ = draft(ours.embed(step[0].view(1, 1))[:, 0], step[1][None], torch.tensor([13]), cache, ours.config)
     assert (got[0] - step[2]).abs().max() > 100 * FP32["atol"]
