@@ -217,6 +217,7 @@ def bench_centroids(runs: int) -> float:
         model.lm_head.weight.copy_(rows)
         model.centroids.weight.copy_(directions)
         model.token_ordering.copy_(ordering)
+        model.order_rows()
     normed = torch.randn(256, hidden, generator=g)
     weight = model.lm_head.weight
     print(f"\n3. centroid argmax at the E2B assistant size: vocab {vocab}, hidden {hidden}, {n_c} centroids, "

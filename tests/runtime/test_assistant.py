@@ -300,3 +300,20 @@ def test_cuda_runs_the_same_code(pair, target, assistant):
         torch.testing.assert_close(draft_hidden.cpu(), torch.stack([r[i][2] for r in refs]), **tol)
         torch.testing.assert_close(logits.cpu(), torch.stack([r[i][3] for r in refs]), **tol)
         assert greedy.tolist() == [r[i][3].argmax().item() for r in refs]
+
+
+def test_ordered_rows_give_what_the_scattered_rows_give(pair):
+    """The contiguous centroid-ordered copy of lm_head (built at load) selects and scores the same tokens as
+    gathering lm_head's rows by token_ordering, which transformers' masked embedder does."""
+    _, draft, _, _ = pair(*PAIRS[0])
+    normed = torch.randn(16, draft.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    assert draft.ordered_rows is not None
+    with torch.inference_mode():
+        fast_tokens, fast = draft._selected(normed)
+        kept, draft.ordered_rows = draft.ordered_rows, None
+        try:
+            slow_tokens, slow = draft._selected(normed)
+        finally:
+            draft.ordered_rows = kept
+    assert torch.equal(fast_tokens, slow_tokens)
+    torch.testing.assert_close(fast, slow, rtol=0, atol=0)
