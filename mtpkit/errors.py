@@ -62,3 +62,7 @@ class PairCheckError(MtpkitError):
     def __init__(self, what: str, *, findings: list, where: str | Path | None = None, fix: str | None = None):
         self.findings = findings
         super().__init__(what, where=where, fix=fix)
+
+
+class InsufficientMemoryError(MtpkitError):
+    """The device lacks the memory a model needs (estimated before anything is loaded)."""

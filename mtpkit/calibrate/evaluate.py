@@ -55,30 +55,11 @@ def _input_scales(tensors: dict, module: str, scheme: str) -> dict[str, torch.Te
     return {"input_scale": value}
 
 
-def _kv_scales(quantized: TextCheckpoint) -> dict | None:
-    """The written k_scale / v_scale of each cache-owning layer, or None without an FP8 KV cache.
-
-    compressed-tensors keeps them on the attention (`self_attn.k_scale`), ModelOpt on the projection
-    (`self_attn.k_proj.k_scale`)."""
-    tensors, config = quantized.checkpoint.tensors, quantized.config
-    found: dict[str, dict[int, torch.Tensor]] = {"k_scales": {}, "v_scales": {}}
-    for layer in range(config.num_hidden_layers):
-        if config.is_kv_shared(layer):
-            continue
-        attn = f"{quantized.prefix}layers.{layer}.self_attn"
-        for kind in "kv":
-            name = next((n for n in (f"{attn}.{kind}_scale", f"{attn}.{kind}_proj.{kind}_scale") if n in tensors), None)
-            if name is None:
-                return None
-            found[f"{kind}_scales"][layer] = load_tensor(tensors[name]).float()
-    return found
-
-
 def evaluate_quantization(original: TextCheckpoint, quantized: TextCheckpoint, scheme: str,
                           calibration: CalibrationSet, on_layer: Callable[[int], None] | None = None) -> dict:
     """Compare `quantized` with `original` on the calibration samples; plain numbers for the report."""
     reference = LayerwiseStream(original, calibration.sequences)
-    kv = _kv_scales(quantized)
+    kv = quantized.kv_scales()
     cache_kwargs = {"dtype": FP8, **kv} if kv else None
     candidate = LayerwiseStream(quantized, calibration.sequences, cache_kwargs=cache_kwargs)
     install = _activation_hooks(quantized, scheme)

@@ -8,6 +8,8 @@ the meta device when the pass is done with it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from mtpkit.convert.checkpoint import Checkpoint
@@ -26,7 +28,8 @@ OUTER_PARTS = ("embed_tokens", "embed_tokens_per_layer", "per_layer_model_projec
 class TextCheckpoint:
     """The text decoder of a target checkpoint (text-only or the multimodal wrapper), read part by part."""
 
-    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype | None = None):
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
         where = str(checkpoint.folder / "config.json")
         try:
             self.config = TextConfig.from_dict(checkpoint.config, where=where)
@@ -40,9 +43,23 @@ class TextCheckpoint:
             raise CheckpointError(f"has no {self.prefix}embed_tokens.weight", where=checkpoint.folder,
                                   fix="point at a Gemma 4 target checkpoint with its weights")
         self.dtype = dtype or load_tensor(embed).dtype
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
 
     def skeleton(self) -> Gemma4TextModel:
-        return Gemma4TextModel.skeleton(self.config)
+        model = Gemma4TextModel.skeleton(self.config)
+        for module in model.modules():  # the computed buffers (RoPE, embedding scales) go to the device now
+            for name, buffer in module._buffers.items():
+                if buffer is not None and not buffer.is_meta:
+                    module._buffers[name] = buffer.to(self.device)
+        return model
+
+    def load_all(self, model: Gemma4TextModel, on_part: Callable[[str], None] | None = None) -> None:
+        """Every part, layer by layer (a whole target, for the runtime)."""
+        self.load_outer(model)
+        for i in range(self.config.num_hidden_layers):
+            self.load(model, f"layers.{i}")
+            if on_part:
+                on_part(f"layers.{i}")
 
     def _state(self, part: str) -> dict[str, torch.Tensor]:
         if part == "lm_head":  # untied: a top-level tensor, outside the decoder's prefix
@@ -72,7 +89,8 @@ class TextCheckpoint:
             # Stored FP8 / FP4 codes and their scales stay as written; everything else computes in self.dtype.
             if tensor.is_floating_point() and tensor.element_size() > 1 and \
                     name.rpartition(".")[2] not in WEIGHT_SCALE_SUFFIXES:
-                state[name] = tensor.to(self.dtype)
+                tensor = tensor.to(self.dtype)
+            state[name] = tensor.to(self.device)
         expected = module.state_dict()
         missing = sorted(set(expected) - set(state))
         unexpected = sorted(set(state) - set(expected))
@@ -88,6 +106,24 @@ class TextCheckpoint:
                 self.load(model, part)
         if not self.config.tie_word_embeddings:
             self.load(model, "lm_head")
+
+    def kv_scales(self) -> dict[str, dict[int, torch.Tensor]] | None:
+        """The checkpoint's FP8 KV-cache scales per cache-owning layer, as KVCache's k_scales / v_scales, or
+        None when it has none. compressed-tensors keeps them on the attention (`self_attn.k_scale`),
+        ModelOpt on the projection (`self_attn.k_proj.k_scale`)."""
+        tensors, config = self.checkpoint.tensors, self.config
+        found: dict[str, dict[int, torch.Tensor]] = {"k_scales": {}, "v_scales": {}}
+        for layer in range(config.num_hidden_layers):
+            if config.is_kv_shared(layer):
+                continue
+            attn = f"{self.prefix}layers.{layer}.self_attn"
+            for kind in "kv":
+                name = next((n for n in (f"{attn}.{kind}_scale", f"{attn}.{kind}_proj.{kind}_scale") if n in tensors),
+                            None)
+                if name is None:
+                    return None
+                found[f"{kind}_scales"][layer] = load_tensor(tensors[name]).float()
+        return found
 
     @staticmethod
     def unload(model: Gemma4TextModel, part: str) -> None:

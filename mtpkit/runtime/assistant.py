@@ -126,6 +126,15 @@ class Gemma4Assistant(nn.Module):
             # the top-k centroids' rows are then k contiguous blocks, not k * V / C scattered rows.
             self.register_buffer("ordered_rows", None, persistent=False)
 
+    @classmethod
+    def skeleton(cls, config: dict, where: str = "config.json") -> Gemma4Assistant:
+        """The assistant with its parameters on the meta device, for load_assistant_state_dict(assign=True);
+        the computed RoPE buffers are real."""
+        with torch.device("meta"):
+            model = cls(config, where)
+        model.rotary = nn.ModuleDict({t: RotaryEmbedding(spec) for t, spec in model.config.attention.items()})
+        return model
+
     def check_target(self, target: TextConfig) -> list[int]:
         """The target layer each assistant layer reads; ValueError if the pair cannot work together."""
         producers = kv_producers_of(target)
@@ -215,8 +224,13 @@ class Gemma4Assistant(nn.Module):
         return draft_hidden, self.greedy(normed)
 
 
-def load_assistant_state_dict(model: Gemma4Assistant, tensors: dict[str, torch.Tensor]) -> None:
+def load_assistant_state_dict(model: Gemma4Assistant, tensors: dict[str, torch.Tensor], *,
+                              assign: bool = False, dtype: torch.dtype | None = None,
+                              device: torch.device | str | None = None) -> None:
     """Copy an assistant checkpoint's `tensors` into `model`, cast to its dtype, strictly.
+
+    `assign` (a Gemma4Assistant.skeleton): the tensors become the parameters instead, floating ones cast to
+    `dtype` and everything moved to `device` one tensor at a time (no second copy of the model).
 
     Missing or unexpected tensors, or a wrong shape, raise ValueError with the checkpoint names. A
     tied lm_head is model.embed_tokens.weight (a stray lm_head.weight is ignored); an untied one is
@@ -248,5 +262,10 @@ def load_assistant_state_dict(model: Gemma4Assistant, tensors: dict[str, torch.T
         ordering = tensors["masked_embedding.token_ordering"]
         if not torch.equal(ordering.long().sort().values, torch.arange(ordering.numel(), device=ordering.device)):
             raise ValueError("masked_embedding.token_ordering is not a permutation of the vocabulary")
-    model.load_state_dict({ours: tensors[name] for name, ours in names.items()}, strict=True)
+    state = {ours: tensors[name] for name, ours in names.items()}
+    if assign:
+        state = {name: t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
+                 for name, t in state.items()}
+        model.rotary.to(device)
+    model.load_state_dict(state, strict=True, assign=assign)
     model.order_rows()

@@ -19,7 +19,7 @@ The assistant drafts from (target.embed(last), hidden) at the constant position 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +70,10 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+# Called with (output buffer [B, N], tokens so far per row [B]) as tokens are accepted.
+RoundCallback = Callable[[torch.Tensor, torch.Tensor], None]
+
+
 class GreedyPolicy:
     """Greedy decoding: drafts are the assistant's greedy tokens, emitted tokens the target's argmax."""
 
@@ -98,18 +102,20 @@ class GreedyPolicy:
 def generate_greedy(target: Gemma4TextModel, target_config: TextConfig, prompts: list[list[int]], *,
                     max_new_tokens: int, assistant=None, num_speculative_tokens: int = 4,
                     eos_token_ids: Sequence[int] = (), stop_token_ids: Sequence[int] = (),
-                    cache_dtype: torch.dtype = torch.float32,
-                    device: torch.device | str | None = None) -> tuple[list[list[int]], GenerationStats]:
+                    cache_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                    cache_scales: dict | None = None,
+                    on_round: RoundCallback | None = None) -> tuple[list[list[int]], GenerationStats]:
     """Greedy continuations of `prompts` (new tokens only, each ending at its first stop token if any).
 
     `assistant`: anything with Gemma4Assistant.step's interface; None decodes with the target alone.
     The outputs equal the target-only ones whatever the assistant drafts: only the target's argmax
     is ever emitted. Sequences run batched (right-padded prefill); a finished one keeps riding along
-    at a frozen position, its output frozen.
+    at a frozen position, its output frozen. `cache_scales`: an FP8 cache's k_scales / v_scales (KVCache).
     """
     return run_rounds(target, target_config, prompts, GreedyPolicy(assistant), max_new_tokens=max_new_tokens,
                       k=num_speculative_tokens if assistant is not None else 0, eos_token_ids=eos_token_ids,
-                      stop_token_ids=stop_token_ids, cache_dtype=cache_dtype, device=resolve_device(target, device))
+                      stop_token_ids=stop_token_ids, cache_dtype=cache_dtype, device=resolve_device(target, device),
+                      cache_scales=cache_scales, on_round=on_round)
 
 
 def resolve_device(target: Gemma4TextModel, device: torch.device | str | None) -> torch.device:
@@ -118,8 +124,13 @@ def resolve_device(target: Gemma4TextModel, device: torch.device | str | None) -
 
 def run_rounds(target: Gemma4TextModel, target_config: TextConfig, prompts: list[list[int]], policy, *,
                max_new_tokens: int, k: int, eos_token_ids: Sequence[int], stop_token_ids: Sequence[int],
-               cache_dtype: torch.dtype, device: torch.device) -> tuple[list[list[int]], GenerationStats]:
-    """The loop greedy and sampled decoding share; `policy` picks the first token, drafts, and accepts."""
+               cache_dtype: torch.dtype, device: torch.device, cache_scales: dict | None = None,
+               on_round: RoundCallback | None = None) -> tuple[list[list[int]], GenerationStats]:
+    """The loop greedy and sampled decoding share; `policy` picks the first token, drafts, and accepts.
+
+    `on_round(out, count)`: after the first token and after each round, with the output buffer `[B, N]` and
+    each row's token count `[B]` (device tensors; reading them syncs, so only streaming callers pass one).
+    """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if k < 0 or max_new_tokens < 0:
@@ -137,7 +148,7 @@ def run_rounds(target: Gemma4TextModel, target_config: TextConfig, prompts: list
     # Sliding layers keep a ring of window + k + 1 slots: a verify chunk writes k + 1 tokens past the
     # accepted ones, and the draft's sliding mask reaches one slot further back than the target's.
     cache = KVCache(target_config, batch, width + max_new_tokens + k + 1, dtype=cache_dtype, device=device,
-                    sliding_slack=k + 2)
+                    sliding_slack=k + 2, **(cache_scales or {}))
     ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=device)
     positions = torch.arange(width, device=device).expand(batch, -1)  # padding continues each row (kv_cache.py)
     hidden_all = target(ids, positions, cache, valid=positions < lengths[:, None])
@@ -155,6 +166,8 @@ def run_rounds(target: Gemma4TextModel, target_config: TextConfig, prompts: list
     offsets = torch.arange(k + 1, device=device)
     accepted_log, active_log = [], []
     stats.prefill_time = _clock(device) - start
+    if on_round:
+        on_round(out, count)
 
     while not bool(done.all()):  # the one host sync per round: whether to go on
         t0 = _clock(device)
@@ -185,6 +198,8 @@ def run_rounds(target: Gemma4TextModel, target_config: TextConfig, prompts: list
         pos = torch.where(active, pos + accepted + 1, pos)
         accepted_log.append(accepted)
         active_log.append(active)
+        if on_round:
+            on_round(out, count)
         t2 = _clock(device)
         stats.draft_time += t1 - t0
         stats.verify_time += t2 - t1

@@ -18,7 +18,7 @@ import torch
 from mtpkit.runtime.config import TextConfig
 from mtpkit.runtime.model import Gemma4TextModel
 from mtpkit.runtime.sampling import check_sampling, probabilities, sample
-from mtpkit.runtime.speculative import GenerationStats, resolve_device, run_rounds
+from mtpkit.runtime.speculative import GenerationStats, RoundCallback, resolve_device, run_rounds
 
 
 def _accepts(p_draft: torch.Tensor, q_draft: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -77,8 +77,9 @@ def generate_sampled(target: Gemma4TextModel, target_config: TextConfig, prompts
                      max_new_tokens: int, assistant=None, num_speculative_tokens: int = 4,
                      temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                      eos_token_ids: Sequence[int] = (), stop_token_ids: Sequence[int] = (),
-                     cache_dtype: torch.dtype = torch.float32,
-                     device: torch.device | str | None = None) -> tuple[list[list[int]], GenerationStats]:
+                     cache_dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                     cache_scales: dict | None = None,
+                     on_round: RoundCallback | None = None) -> tuple[list[list[int]], GenerationStats]:
     """Sampled continuations of `prompts` (new tokens only, each ending at its first stop token if any).
 
     `assistant`: a Gemma4Assistant (called for (draft_hidden, normed), then logits(normed, fill=-inf)
@@ -96,4 +97,5 @@ def generate_sampled(target: Gemma4TextModel, target_config: TextConfig, prompts
     policy = SampledPolicy(assistant, lambda logits: probabilities(logits, temperature, top_k, top_p), generator)
     return run_rounds(target, target_config, prompts, policy, max_new_tokens=max_new_tokens,
                       k=num_speculative_tokens if assistant is not None else 0, eos_token_ids=eos_token_ids,
-                      stop_token_ids=stop_token_ids, cache_dtype=cache_dtype, device=device)
+                      stop_token_ids=stop_token_ids, cache_dtype=cache_dtype, device=device,
+                      cache_scales=cache_scales, on_round=on_round)
