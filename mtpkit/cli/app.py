@@ -42,7 +42,8 @@ def _root(
 
 def _register() -> None:
     # Importing a command module registers it on `app`.
-    from mtpkit.cli import check_cmd, draft_cmd, inspect_cmd, pair_cmd, quantize_cmd, reshard_cmd, run_cmd  # noqa: F401
+    from mtpkit.cli import (bench_cmd, check_cmd, draft_cmd, inspect_cmd, pair_cmd, quantize_cmd,  # noqa: F401
+                            reshard_cmd, run_cmd)
 
 
 def _debug() -> bool:

@@ -56,6 +56,10 @@ class Pair:
         self.num_speculative_tokens, self.tokens_why = recommended_tokens(target.checkpoint.config)
         self.findings = draft.findings if draft else []
 
+    def encode(self, prompts, *, chat: bool = False) -> list[list[int]]:
+        """Prompts (strings, token ids, or a list of either) as the token id lists generate runs."""
+        return encode_prompts(prompts, self.tokenizer, chat=chat, vocab_size=self.target.config.vocab_size)
+
     def generate(self, prompts, *, max_new_tokens: int = 256, num_speculative_tokens: int | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  stop=None, chat: bool = False,
@@ -74,7 +78,7 @@ class Pair:
         if k and self.draft is None:
             raise ConfigError("num_speculative_tokens > 0 needs an assistant", where="generate",
                               fix="load a pair (draft=...), or pass num_speculative_tokens=0")
-        ids = encode_prompts(prompts, self.tokenizer, chat=chat, vocab_size=self.target.config.vocab_size)
+        ids = self.encode(prompts, chat=chat)
         rule = stop_rule(stop, self.tokenizer)
         kwargs = dict(max_new_tokens=max_new_tokens, assistant=self.draft.model if k else None,
                       num_speculative_tokens=k, eos_token_ids=self.eos_token_ids, stop_token_ids=rule.token_ids,
