@@ -21,7 +21,8 @@ from mtpkit.convert.atomic import atomic_output_dir
 from mtpkit.convert.check import Finding, check_pair
 from mtpkit.convert.checkpoint import INDEX_FILE, Checkpoint, open_checkpoint
 from mtpkit.convert.draft import HF_QUANT_CONFIG, dump_json, plan_draft
-from mtpkit.errors import PairCheckError
+from mtpkit.convert.describe import describe
+from mtpkit.errors import ConfigError, PairCheckError
 from mtpkit.formats import gemma4
 from mtpkit.formats.quantization import detect_quantization
 
@@ -102,6 +103,12 @@ def pair(target: Checkpoint, draft: Checkpoint, out: str | Path, *, dialect: str
     without it the target is copied byte for byte."""
     out = Path(out)
     plan = plan_draft(draft, dialect=dialect)  # refuses an unusable assistant before anything is written
+    # ... and an unusable target (its config read as check reads it), naming the input, not the copy.
+    where = str(target.folder / "config.json")
+    if describe(target).role != "target":
+        raise ConfigError("is an assistant; --target takes the target", where=where,
+                          fix="swap --target and --draft")
+    gemma4.kv_producers(target.config, where)
     with atomic_output_dir(out, force=force, sources=(target.folder, draft.folder)) as tmp:
         produced = None
         if write_target is None:
