@@ -72,6 +72,7 @@ def load_calibration_set(calib: str | Path | None, target_folder: Path, config: 
     if calib is None:
         resource = resources.files("mtpkit.calibrate") / DEFAULT_SET
         text, path, source = resource.read_text(encoding="utf-8"), Path(DEFAULT_SET), f"mtpkit:{DEFAULT_SET}"
+        where = source
     else:
         path = Path(calib)
         if not path.is_file():
@@ -81,10 +82,11 @@ def load_calibration_set(calib: str | Path | None, target_folder: Path, config: 
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
             raise ConfigError("is not UTF-8 text", where=str(path), fix="save it as UTF-8") from None
-        source = str(path)
+        source = path.name  # the report is published with the checkpoint: no local path in it
+        where = str(path)
     records = _records(path, text)[:max_samples]
     if not records:
-        raise ConfigError("holds no samples", where=source, fix="add text (blank-line separated) or JSONL records")
+        raise ConfigError("holds no samples", where=where, fix="add text (blank-line separated) or JSONL records")
     text_config = config.get("text_config") or config
     vocab = int(text_config["vocab_size"])
     bos = text_config.get("bos_token_id", config.get("bos_token_id"))
@@ -95,12 +97,12 @@ def load_calibration_set(calib: str | Path | None, target_folder: Path, config: 
             ids = record["input_ids"]
             if not (isinstance(ids, list) and ids and all(type(i) is int and 0 <= i < vocab for i in ids)):
                 raise ConfigError(f"sample {number}: input_ids must be a non-empty list of integers in [0, {vocab})",
-                                  where=source, fix="write token ids of the target's vocabulary")
+                                  where=where, fix="write token ids of the target's vocabulary")
         else:
             if not isinstance(record["text"], str) or not record["text"]:
-                raise ConfigError(f"sample {number}: text must be a non-empty string", where=source,
+                raise ConfigError(f"sample {number}: text must be a non-empty string", where=where,
                                   fix="write the sample as a string")
-            tokenizer = tokenizer or _tokenizer(target_folder, source)
+            tokenizer = tokenizer or _tokenizer(target_folder, where)
             ids = tokenizer.encode(record["text"], add_special_tokens=False).ids
             if isinstance(bos, int) and (not ids or ids[0] != bos):
                 ids = [bos] + ids
@@ -110,7 +112,7 @@ def load_calibration_set(calib: str | Path | None, target_folder: Path, config: 
         if len(ids) >= 2:
             sequences.append(torch.tensor(ids[:max_tokens], dtype=torch.long))
     if not sequences:
-        raise ConfigError("holds no sample of two tokens or more", where=source, fix="give longer samples")
+        raise ConfigError("holds no sample of two tokens or more", where=where, fix="give longer samples")
     description = {"source": source, "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
                    "samples": len(sequences), "tokens": sum(len(s) for s in sequences),
                    "max_tokens_per_sample": max_tokens}

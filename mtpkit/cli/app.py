@@ -42,8 +42,8 @@ def _root(
 
 def _register() -> None:
     # Importing a command module registers it on `app`.
-    from mtpkit.cli import (bench_cmd, check_cmd, draft_cmd, inspect_cmd, pair_cmd, quantize_cmd,  # noqa: F401
-                            reshard_cmd, run_cmd)
+    from mtpkit.cli import (bench_cmd, check_cmd, demo_cmd, draft_cmd, inspect_cmd, pair_cmd,  # noqa: F401
+                            push_cmd, quantize_cmd, reshard_cmd, run_cmd)
 
 
 def _debug() -> bool:
@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"mtp-convert: error: {e.one_line()}", file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        print("mtp-convert: interrupted; no output was written", file=sys.stderr)
+        print("mtp-convert: interrupted; no partial output is left (outputs are written atomically; an interrupted "
+              "push resumes when run again)", file=sys.stderr)
         sys.exit(130)
     except Exception as e:  # a bug in mtpkit, not bad input
         if _debug():

@@ -74,7 +74,7 @@ def test_static_and_kv_scales_follow_the_ranges_transformers_sees(tiny, cli, cal
     assert written["kv_cache_scheme"] == FP8_KV_CACHE
     parsed = QuantizationConfig.model_validate(written)  # compressed-tensors reads what we wrote
     assert parsed.kv_cache_scheme.num_bits == 8 and parsed.kv_cache_scheme.strategy == "tensor"
-    assert report["calibration"]["samples"] == len(LENGTHS) and report["calibration"]["source"] == str(path)
+    assert report["calibration"]["samples"] == len(LENGTHS) and report["calibration"]["source"] == path.name
     saved = json.loads((out / "mtpkit_quantize.json").read_text())
     assert report["kv_cache"] == "fp8" and saved == {k: v for k, v in report.items() if k != "output"}
     evaluation = report["evaluation"]
