@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 from mtpkit.convert.check import Finding, check_pair
-from mtpkit.convert.checkpoint import Checkpoint
+from mtpkit.convert.checkpoint import Checkpoint, open_checkpoint
 from mtpkit.convert.draft import HF_QUANT_CONFIG
 from mtpkit.convert.safetensors_file import load_tensor
-from mtpkit.convert.source import open_source, resolve_source
-from mtpkit.errors import ConfigError, PairCheckError, UnsupportedModelError
+from mtpkit.convert.source import Source, open_source, resolve_source
+from mtpkit.errors import CheckpointError, ConfigError, PairCheckError, UnsupportedModelError
 from mtpkit.formats import compressed_tensors as ct
 from mtpkit.formats import modelopt as mo
 from mtpkit.formats.gemma4 import role_of
@@ -74,17 +74,34 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _open(source: str | Path, revision: str | None, local_files_only: bool, role: str) -> Checkpoint:
-    checkpoint = open_source(source, revision=revision, local_files_only=local_files_only)
+def open_resolved(source: str | Path | Source, revision: str | None, local_files_only: bool) -> Checkpoint:
+    """open_source, or a folder already resolved (pair_folders' target/ and draft/: in a Hub snapshot their
+    files link into the repo's cache folder, which open_source would refuse for a plain local path)."""
+    if isinstance(source, Source):
+        return open_checkpoint(source.folder, allowed_root=source.allowed_root)
+    return open_source(source, revision=revision, local_files_only=local_files_only)
+
+
+def _open(source: str | Path | Source, revision: str | None, local_files_only: bool, role: str) -> Checkpoint:
+    checkpoint = open_resolved(source, revision, local_files_only)
     where = str(checkpoint.folder / "config.json")
     if checkpoint.config_only:
-        raise ConfigError("holds no weights", where=checkpoint.folder,
-                          fix="point at a folder with model.safetensors or an index and its shards")
+        raise CheckpointError("holds no weights", where=checkpoint.folder,
+                              fix="point at a folder with model.safetensors or an index and its shards")
     found = role_of(checkpoint.config, where)
     if found != role:
         raise ConfigError(f"is a Gemma 4 {found}, not a {role}", where=where,
                           fix="pass the target as target= (--target) and the assistant as draft= (--draft)")
     return checkpoint
+
+
+def _weights_of(config: dict) -> str:
+    """' (weights: int4 group)' for compressed-tensors groups no preset matches ('custom' alone names nothing)."""
+    groups = (config.get("quantization_config") or {}).get("config_groups")
+    groups = groups.values() if isinstance(groups, dict) else ()
+    found = sorted({f"{w.get('type')}{w.get('num_bits')} {w.get('strategy')}" for g in groups
+                    if isinstance(g, dict) and isinstance(w := g.get("weights"), dict)})
+    return f" (weights: {', '.join(found)})" if found else ""
 
 
 def load_target(source: str | Path, *, revision: str | None = None, device: str | torch.device = "auto",
@@ -97,8 +114,9 @@ def load_target(source: str | Path, *, revision: str | None = None, device: str 
     quantization = detect_quantization(checkpoint.config, checkpoint.read_json_file(HF_QUANT_CONFIG), where)
     if quantization is not None and (quantization["method"], quantization["scheme"]) not in SUPPORTED:
         raise UnsupportedModelError(f"{quantization['method']} {quantization['scheme']} quantization is not one the "
-                                    "runtime runs", where=where, fix="convert it with `mtp-convert quantize "
-                                    "--to compressed-tensors`, or start from the BF16 target")
+                                    f"runtime runs{_weights_of(checkpoint.config)}", where=where,
+                                    fix="convert it with `mtp-convert quantize --to compressed-tensors`, or start "
+                                    "from the BF16 target")
     nbytes = model_bytes(checkpoint, dtype)
     check_memory(nbytes, device, max_memory, str(checkpoint.folder))
     text = TextCheckpoint(checkpoint, dtype=dtype, device=device)
@@ -130,14 +148,16 @@ def load_draft(source: str | Path, *, revision: str | None = None, device: str |
     return LoadedDraft(model.eval(), checkpoint, nbytes)
 
 
-def pair_folders(pair_dir_or_repo: str | Path, revision: str | None, local_files_only: bool) -> tuple[Path, Path]:
+def pair_folders(pair_dir_or_repo: str | Path, revision: str | None, local_files_only: bool) -> tuple[Source, Source]:
     """OUT/target and OUT/draft of a `mtp-convert pair` folder (or a Hub repo holding one)."""
-    folder = resolve_source(pair_dir_or_repo, revision=revision, local_files_only=local_files_only).folder
+    source = resolve_source(pair_dir_or_repo, revision=revision, local_files_only=local_files_only)
+    folder = source.folder
     target, draft = folder / "target", folder / "draft"
     if not (target.is_dir() and draft.is_dir()):
         raise ConfigError("is not a pair folder (no target/ and draft/ in it)", where=folder,
                           fix="make one with `mtp-convert pair`, or pass target= and draft= (--target, --draft)")
-    return target, draft
+    return (Source(target, source.repo_id, source.revision, source.allowed_root),
+            Source(draft, source.repo_id, source.revision, source.allowed_root))
 
 
 def validate_pair(target: Checkpoint, draft: Checkpoint) -> list[Finding]:

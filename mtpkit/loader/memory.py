@@ -15,10 +15,10 @@ import torch
 
 from mtpkit.convert.checkpoint import Checkpoint
 from mtpkit.errors import InsufficientMemoryError
-from mtpkit.formats.dequantize import ACTIVATION_SCALE_SUFFIXES
+from mtpkit.formats.dequantize import ACTIVATION_SCALE_SUFFIXES, WEIGHT_SCALE_SUFFIXES
 
 _TOWERS = ("vision_tower.", "embed_vision.", "audio_tower.", "embed_audio.")
-_PER_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.(weight|weight_packed)$")
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.(\w+)$")
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
           "TIB": 2**40}
 MARGIN = 1.1  # activations, the KV cache of a short context, allocator slack
@@ -30,12 +30,17 @@ def model_bytes(checkpoint: Checkpoint, dtype: torch.dtype) -> int:
         if any(tower in name for tower in _TOWERS) or name.rpartition(".")[2] in ACTIVATION_SCALE_SUFFIXES:
             continue
         count = math.prod(info.shape)
-        if _PER_EXPERT.search(name):  # dequantized into the fused dense experts
-            size += count * (2 if info.dtype == "U8" else 1) * dtype.itemsize
-        elif info.dtype in ("BF16", "F16", "F32"):
+        expert = _PER_EXPERT.search(name)
+        if expert:  # dequantized into the fused dense experts, which keep none of the scales
+            if expert[2] in ("weight", "weight_packed"):
+                size += count * (2 if info.dtype == "U8" else 1) * dtype.itemsize
+        elif info.dtype in ("BF16", "F16", "F32") and name.rpartition(".")[2] not in WEIGHT_SCALE_SUFFIXES:
             size += count * dtype.itemsize
-        else:
+        else:  # quantized codes, and weight scales (kept as stored, whatever their dtype)
             size += info.nbytes
+    embed = checkpoint.tensors.get("model.embed_tokens.weight")
+    if checkpoint.config.get("use_ordered_embeddings") is True and embed is not None:
+        size += math.prod(embed.shape) * dtype.itemsize  # the assistant's ordered_rows: a second copy of the table
     return size
 
 

@@ -12,10 +12,9 @@ import torch
 
 from mtpkit.convert.describe import describe as describe_checkpoint
 from mtpkit.convert.pair import recommended_tokens
-from mtpkit.convert.source import open_source
 from mtpkit.errors import ConfigError
-from mtpkit.loader.load import (KV_CACHE_DTYPES, LoadedDraft, LoadedTarget, load_draft, load_target, pair_folders,
-                                validate_pair)
+from mtpkit.loader.load import (KV_CACHE_DTYPES, LoadedDraft, LoadedTarget, load_draft, load_target, open_resolved,
+                                pair_folders, validate_pair)
 from mtpkit.loader.memory import parse_bytes
 from mtpkit.loader.prompts import cut_at_stop, decode, encode_prompts, eos_token_ids, load_tokenizer, stop_rule
 from mtpkit.runtime import GenerationStats, generate_greedy, generate_sampled
@@ -167,8 +166,8 @@ def load_pair(pair_dir_or_repo: str | Path | None = None, *, target: str | Path 
     if pair_dir_or_repo is not None:
         target, draft = pair_folders(pair_dir_or_repo, revision, local_files_only)
     # Validate on the headers before reading gigabytes: the check rules need only configs and tensor names.
-    target_ck = open_source(target, revision=revisions[0], local_files_only=local_files_only)
-    draft_ck = open_source(draft, revision=revisions[1], local_files_only=local_files_only)
+    target_ck = open_resolved(target, revisions[0], local_files_only)
+    draft_ck = open_resolved(draft, revisions[1], local_files_only)
     findings = validate_pair(target_ck, draft_ck)
     loaded_target = load_target(target, revision=revisions[0], device=device, dtype=dtype,
                                 local_files_only=local_files_only, max_memory=max_memory)
@@ -179,5 +178,6 @@ def load_pair(pair_dir_or_repo: str | Path | None = None, *, target: str | Path 
     try:
         loaded_draft.model.check_target(loaded_target.config)
     except ValueError as e:
-        raise ConfigError(str(e), where=f"{target} + {draft}", fix="run `mtp-convert check` on the pair") from None
+        raise ConfigError(str(e), where=f"{target_ck.folder} + {draft_ck.folder}",
+                          fix="run `mtp-convert check` on the pair") from None
     return Pair(loaded_target, loaded_draft, kv_cache_dtype)
