@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -12,8 +11,8 @@ from typing import Annotated
 import typer
 
 from mtpkit.cli.app import app
-from mtpkit.cli.console import out, warn
-from mtpkit.cli.run_cmd import KVCacheDtype, _prompts
+from mtpkit.cli.console import out
+from mtpkit.cli.run_cmd import KVCacheDtype, _prompts, load_for_cli
 from mtpkit.errors import ConfigError
 
 
@@ -82,17 +81,12 @@ def bench_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON on stdout.")] = False,
 ) -> None:
     """Sweep the number of speculative tokens: acceptance, speedup over target-only, the best k."""
-    from mtpkit.loader import load_pair
     from mtpkit.loader.bench import bench_pair, transformers_baseline
 
     k_values = parse_ks(ks)
     prompts = _prompts(prompt, prompts_file)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        loaded = load_pair(pair, target=target, draft=draft, device=device, dtype=dtype,
-                           kv_cache_dtype=kv_cache_dtype.value)
-    for warning in caught:
-        warn(str(warning.message))
+    loaded = load_for_cli(pair, target=target, draft=draft, device=device, dtype=dtype,
+                          kv_cache_dtype=kv_cache_dtype.value)
 
     def progress(r) -> None:
         if not as_json:

@@ -13,7 +13,7 @@ import typer
 from mtpkit.cli.app import app
 from mtpkit.cli.console import warn
 from mtpkit.cli.options import Json, Revision
-from mtpkit.errors import ConfigError
+from mtpkit.errors import ConfigError, PairCheckError
 
 
 class KVCacheDtype(str, Enum):
@@ -46,6 +46,21 @@ def _prompts(prompt: list[str], prompt_file: Path | None) -> list:
     if not prompts:
         raise ConfigError("no prompt given", where="run", fix="pass --prompt TEXT (repeatable) or --prompt-file FILE")
     return prompts
+
+
+def load_for_cli(pair, **kwargs):
+    """load_pair with its check warnings printed once on stderr, and a failing check as one line (exit 1)."""
+    from mtpkit.loader import load_pair  # torch and transformers: only for the commands that run a pair
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            loaded = load_pair(pair, **kwargs)
+        except PairCheckError as e:  # the first failing check; `mtp-convert check` lists them all
+            raise PairCheckError(e.what, findings=[], where=e.where, fix=e.fix) from None
+    for warning in caught:
+        warn(str(warning.message))
+    return loaded
 
 
 def _stats_line(index: int, generation) -> str:
@@ -83,15 +98,9 @@ def run_command(
     as_json: Json = False,
 ) -> None:
     """Generate with a target + assistant pair (speculative decoding) in mtpkit's PyTorch runtime."""
-    from mtpkit.loader import load_pair  # torch and transformers: only for this command
-
     prompts = _prompts(prompt, prompt_file)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        loaded = load_pair(pair, target=target, draft=draft, revision=revision, device=device, dtype=dtype,
-                           kv_cache_dtype=kv_cache_dtype.value, max_memory=max_memory)
-    for warning in caught:
-        warn(str(warning.message))
+    loaded = load_for_cli(pair, target=target, draft=draft, revision=revision, device=device, dtype=dtype,
+                          kv_cache_dtype=kv_cache_dtype.value, max_memory=max_memory)
     options = dict(max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens,
                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, chat=chat)
     if as_json:

@@ -165,7 +165,7 @@ def validate_pair(target: Checkpoint, draft: Checkpoint) -> list[Finding]:
     findings = check_pair(target, draft)
     errors = [f for f in findings if f.severity == "error"]
     if errors:
-        raise PairCheckError(f"the pair fails {len(errors)} check(s) (first: {errors[0].id})",
+        raise PairCheckError(f"the pair fails {len(errors)} check(s); the first, [{errors[0].id}]: {errors[0].message}",
                              findings=findings, where=f"{target.folder} + {draft.folder}",
                              fix="fix what the checks name (`mtp-convert check` lists them)")
     for finding in findings:

@@ -74,7 +74,8 @@ def test_bad_input(tiny, tiny_copy, cli, pair_dir, prompt_file, tmp_path):
     ]
     for args, code, message in cases:
         result = cli("run", *args)
-        assert result.code == code and message in result.err.strip().splitlines()[-1], (args, result.err)
+        assert result.code == code and len(result.err.strip().splitlines()) == 1 and message in result.err, \
+            (args, result.err)
     contaminated = tiny_copy("assistant_centroids")
     config = json.loads((contaminated / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4"}

@@ -60,7 +60,8 @@ def test_different_tokenizer_in_the_draft(tiny_copy):
     target, draft = tiny_copy(TARGET), tiny_copy(DRAFT)
     write_tokenizer(target)
     write_tokenizer(draft, shift=1)  # same size and specials, other letters
-    error = _refused(PairCheckError, r"\(first: tokenizer\)", [target, draft], target=target, draft=draft)
+    error = _refused(PairCheckError, r"the first, \[tokenizer\]: .*differs from", [target, draft], target=target,
+                     draft=draft)
     assert [f.id for f in error.findings if f.severity == "error"] == ["tokenizer"]
 
 
