@@ -1,5 +1,6 @@
 """The bad-input corpus (tests/convert/bad_input_cases.py) through every command that reads a target:
-`quantize`, `check`, `pair` and `run` (inspect and reshard: tests/convert/test_bad_input.py).
+`quantize`, `check`, `pair`, `run` and `push --dry-run` (inspect and reshard: tests/convert/test_bad_input.py;
+draft has its own corpus of damaged assistants: tests/convert/test_draft_corpus.py).
 
 Each damaged target goes in with a sound assistant. The contract is the same: exit code 2, one line on
 stderr naming the offending file or key, nothing on stdout, no output folder or temporary left behind, the
@@ -8,7 +9,10 @@ inputs byte-identical afterwards, and nothing unpickled.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +21,7 @@ from tests.convert.bad_input_cases import CASES, Env
 from tests.convert.test_bad_input import PREFIX, _watched, leftovers, names_path, no_unpickling  # noqa: F401
 
 INPUT_CASES = [case for case in CASES if "inspect" in case.commands]
-COMMANDS = ("quantize", "check", "pair", "run")
+COMMANDS = ("quantize", "check", "pair", "run", "push")
 
 
 @pytest.fixture
@@ -34,6 +38,8 @@ def _argv(command: str, src, draft, out, prompts) -> list:
         return ["check", "--target", src, "--draft", draft]
     if command == "pair":
         return ["pair", out, "--target", src, "--draft", draft]
+    if command == "push":
+        return ["push", src, "--repo-id", "someone/tiny", "--dry-run"]
     return ["run", "--target", src, "--draft", draft, "--prompt-file", prompts]
 
 
@@ -42,6 +48,17 @@ def _argv(command: str, src, draft, out, prompts) -> list:
 def test_every_command_refuses_a_damaged_target(case, command, env, tiny, cli, no_unpickling, tmp_path):
     setup = case.make(env)
     draft = tiny("assistant_centroids")
+    names = list(setup.names)
+    if command == "push":  # push takes a pair folder: a sound pair whose target/ is the damaged copy
+        if not setup.src.is_dir():
+            pytest.skip("push takes a pair folder; the case damages what is not one")
+        pair = tmp_path / "pushed"
+        assert cli("pair", pair, "--target", tiny("e2b_like"), "--draft", draft).code == 0
+        shutil.rmtree(pair / "target")
+        shutil.copytree(setup.src, pair / "target", symlinks=True)
+        names = [Path(str(n).replace(str(setup.src), str(pair / "target"))) if isinstance(n, Path) else n
+                 for n in names]
+        setup = dataclasses.replace(setup, src=pair)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"input_ids": [5, 6, 7]}) + "\n")
     out = tmp_path / "out"
@@ -56,8 +73,9 @@ def test_every_command_refuses_a_damaged_target(case, command, env, tiny, cli, n
     assert len(result.err.splitlines()) == 1, result.err
     line = result.err.rstrip("\n")
     assert line.startswith(PREFIX), line
-    for name in setup.names:
-        assert names_path(line, name) if not isinstance(name, str) else name in line, (line, name)
+    for name in names:  # a folder counts as named when the line names a file inside it (more precise)
+        found = name in line if isinstance(name, str) else names_path(line, name) or f"{name}/" in line
+        assert found, (line, name)
     if watched is not None:
         assert tree_digest(watched) == before
     assert tree_digest(draft) == draft_before
