@@ -7,16 +7,13 @@ Oracle: the same pair loaded from the local folder the cache was filled from giv
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
-import torch
 from huggingface_hub import constants as hf_constants
 
 from mtpkit.errors import SourceNotFoundError
 from mtpkit.loader import load_pair
 from tests.convert import test_source as source_tests
-from tests.fixtures.tokenizer import copy_tokenizer, write_tokenizer
 
 no_network = source_tests.no_network  # fixture: any network attempt fails the test
 PAIR_REPO, TARGET_REPO, DRAFT_REPO = "acme/tiny-pair", "acme/tiny-target", "acme/tiny-assistant"
@@ -24,31 +21,9 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 PROMPTS = [[5, 17, 33, 2, 99, 64, 7, 8, 120, 3, 44, 45, 9], [7, 8, 9, 10, 11]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Toy matrices: one intra-op thread is faster, and immune to a busy machine's thread contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def local(tiny, tmp_path_factory):
-    """A `mtp-convert pair` folder (e2b_like + assistant_centroids, with a tokenizer) and its two inputs."""
-    from mtpkit.cli.app import main
-
-    root = tmp_path_factory.mktemp("local")
-    target, draft = root / "target-src", root / "draft-src"
-    shutil.copytree(tiny("e2b_like"), target)
-    shutil.copytree(tiny("assistant_centroids"), draft)
-    write_tokenizer(target)
-    copy_tokenizer(target, draft)
-    try:
-        main(["pair", str(root / "pair"), "--target", str(target), "--draft", str(draft)])
-    except SystemExit as e:
-        assert e.code in (0, None)
-    return {"pair": root / "pair", "target": target, "draft": draft}
+def local(tokenized_pair):
+    return tokenized_pair
 
 
 @pytest.fixture

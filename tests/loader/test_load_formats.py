@@ -41,15 +41,6 @@ PROMPTS = [IDS, [7, 8, 9, 10, 11]]  # a batch of two lengths
 NEW = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Toy matrices: one intra-op thread is faster, and immune to a busy machine's thread contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def models(tiny, tmp_path_factory):
     """models(name): the tiny fixtures plus `wide` (dims multiples of 128, as fp8-block needs) and its assistant."""

@@ -8,7 +8,6 @@ reproduce; `formats.gemma4.kv_producers` on the target's config.json (not the ru
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -17,38 +16,16 @@ from tokenizers import Tokenizer
 from mtpkit.formats.gemma4 import kv_producers
 from mtpkit.loader import load_pair
 from mtpkit.loader.memory import model_bytes
-from tests.fixtures.tokenizer import LETTERS, copy_tokenizer, write_tokenizer
+from tests.fixtures.tokenizer import LETTERS
 
 PROMPTS = [[5, 17, 33, 2, 99, 64, 7, 8, 120, 3, 44, 45, 9], [7, 8, 9, 10, 11]]
 TEXT = "hello world"
 NEW = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Toy matrices: one intra-op thread is faster, and immune to a busy machine's thread contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def folders(tiny, tmp_path_factory):
-    """e2b_like + assistant_centroids with the same tokenizer, and the `mtp-convert pair` folder made of them."""
-    from mtpkit.cli.app import main
-
-    root = tmp_path_factory.mktemp("pair")
-    target, draft = root / "target-src", root / "draft-src"
-    shutil.copytree(tiny("e2b_like"), target)
-    shutil.copytree(tiny("assistant_centroids"), draft)
-    write_tokenizer(target)
-    copy_tokenizer(target, draft)
-    try:
-        main(["pair", str(root / "out"), "--target", str(target), "--draft", str(draft)])
-    except SystemExit as e:
-        assert e.code in (0, None)
-    return {"target": target, "draft": draft, "pair": root / "out"}
+def folders(tokenized_pair):
+    return tokenized_pair
 
 
 @pytest.fixture(scope="module")
