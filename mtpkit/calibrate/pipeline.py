@@ -74,3 +74,9 @@ def quantize_calibrated(checkpoint: Checkpoint, out: str | Path, *, scheme: str,
 
     advance = _phase(progress, "writing", checkpoint.total_bytes)
     return write_quantized(plan, scales=scales, evaluate=run_evaluation if evaluate else None, on_bytes=advance)
+
+
+def pair_summary(report: dict) -> dict:
+    """What pair.json records of a quantization report: all but the per-module details, which stay in the
+    target's own mtpkit_quantize.json."""
+    return {key: value for key, value in report.items() if key not in ("relative_weight_error", "kept_unquantized")}

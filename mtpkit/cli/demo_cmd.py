@@ -48,7 +48,8 @@ def _measure(pair, prompts: list, k: int, max_new_tokens: int) -> dict:
 
 @app.command("demo")
 def demo_command(
-    out_dir: Annotated[Path | None, typer.Option("--out", help="Keep the converted pairs in this folder.")] = None,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Keep the three pairs (bf16/, fp8/, nvfp4/) in this "
+                                                 "new folder, each with its pair.json and vLLM launch line.")] = None,
     num_prompts: Annotated[int, typer.Option("--prompts", help="Held-out prompts to run.")] = 4,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 48,
     k: Annotated[int, typer.Option("--k", help="Speculative tokens per round.")] = 4,
@@ -61,50 +62,79 @@ def demo_command(
 ) -> None:
     """Quantize, pair and run mtpkit's shipped trained pair: acceptance and speed, BF16 vs FP8 vs NVFP4."""
     from mtpkit import demo
-    from mtpkit.calibrate.pipeline import quantize_calibrated
-    from mtpkit.convert.checkpoint import open_checkpoint
-    from mtpkit.convert.pair import pair as make_pair
-    from mtpkit.loader import load_pair
 
     target, draft = target or demo.TARGET, draft or demo.ASSISTANT
     prompts = _heldout(prompts_file or demo.HELDOUT, num_prompts)
     if out_dir is not None and out_dir.exists():
         raise ConfigError("already exists", where=out_dir, fix="choose a new folder for --out")
-    work = Path(tempfile.mkdtemp(prefix="mtpkit-demo-"))
-    rows: dict[str, dict] = {}
+    # The pairs are written where they stay (their pair.json launch lines name their real paths); a failed
+    # run removes the whole folder, so nothing partial is left.
+    root = out_dir if out_dir is not None else Path(tempfile.mkdtemp(prefix="mtpkit-demo-"))
     try:
-        target_ck, draft_ck = open_checkpoint(target), open_checkpoint(draft)
-        pairs = {}
-        for scheme in SCHEMES:
-            err.print(f"quantizing the target to {scheme} (calibrated, FP8 KV cache) and pairing it", highlight=False)
-            with phase_progress() as progress:
-                quantized = quantize_calibrated(target_ck, work / f"target-{scheme}", scheme=scheme, kv_cache=True,
-                                                progress=progress)
-            pairs[scheme] = make_pair(open_checkpoint(quantized.folder), draft_ck, work / f"pair-{scheme}").folder
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # check findings are part of `pair`'s output above
-            runs = [("bf16", dict(target=target, draft=draft, kv_cache_dtype="bf16"))]
-            runs += [(scheme, dict(pair_dir_or_repo=pairs[scheme])) for scheme in SCHEMES]
-            for name, kwargs in runs:
-                err.print(f"running the {name} target (k = 0 and k = {k}, {len(prompts)} prompts)", highlight=False)
-                loaded = load_pair(device="cpu", dtype="float32", **kwargs)
-                rows[name] = _measure(loaded, prompts, k, max_new_tokens)
-                rows[name]["kv_cache"] = str(loaded.kv_cache_dtype).removeprefix("torch.")
-                rows[name]["text"] = loaded.tokenizer.decode(rows[name]["sample"]) if loaded.tokenizer else ""
-        if out_dir is not None:
-            shutil.copytree(work, out_dir)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        pairs = _build_pairs(target, draft, root)
+        rows = _run_pairs(pairs, prompts, k, max_new_tokens)
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    if out_dir is None:
+        shutil.rmtree(root, ignore_errors=True)
     base = rows["bf16"]["mean_length"]
     for row in rows.values():
         row["acceptance_change_vs_bf16"] = row["mean_length"] - base
+    launch = {name: json.loads((folder / "pair.json").read_text())["launch"]["vllm_serve"]
+              for name, folder in pairs.items()} if out_dir is not None else None
     if as_json:
         print(json.dumps({"k": k, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "results": rows,
-                          "pairs": str(out_dir) if out_dir else None}, indent=2))
+                          "pairs": str(out_dir) if out_dir else None, "vllm_serve": launch}, indent=2))
         return
+    _print_report(rows, prompts, k, launch)
+
+
+def _build_pairs(target: Path, draft: Path, root: Path) -> dict[str, Path]:
+    """root/bf16 (the pair as shipped), root/fp8 and root/nvfp4 (the target quantized on the way in, calibrated,
+    with FP8 KV-cache scales), each through `mtp-convert pair`'s own path and checks."""
+    from mtpkit.calibrate.pipeline import pair_summary, quantize_calibrated
+    from mtpkit.convert.checkpoint import open_checkpoint
+    from mtpkit.convert.pair import pair
+
+    target_ck, draft_ck = open_checkpoint(target), open_checkpoint(draft)
+    root.mkdir(parents=True, exist_ok=True)
+    pair(target_ck, draft_ck, root / "bf16")
+    for scheme in SCHEMES:
+        err.print(f"pairing the assistant with the target quantized to {scheme} (calibrated, FP8 KV-cache scales)",
+                  highlight=False)
+
+        def quantized(folder: Path, scheme: str = scheme) -> dict:
+            with phase_progress() as progress:
+                result = quantize_calibrated(target_ck, folder, scheme=scheme, kv_cache=True, progress=progress)
+            return pair_summary(result.report)
+
+        pair(target_ck, draft_ck, root / scheme, write_target=quantized)
+    return {"bf16": root / "bf16", **{scheme: root / scheme for scheme in SCHEMES}}
+
+
+def _run_pairs(pairs: dict[str, Path], prompts: list, k: int, max_new_tokens: int) -> dict[str, dict]:
+    from mtpkit.loader import load_pair
+
+    rows = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # `pair` has checked each pair above
+        for name, folder in pairs.items():
+            err.print(f"running the {name} pair (k = 0 and k = {k}, {len(prompts)} prompts)", highlight=False)
+            # The BF16 reference keeps a BF16 cache; the quantized targets use FP8 with their written scales.
+            loaded = load_pair(folder, device="cpu", dtype="float32",
+                               kv_cache_dtype="bf16" if name == "bf16" else "fp8")
+            rows[name] = _measure(loaded, prompts, k, max_new_tokens)
+            rows[name]["kv_cache"] = str(loaded.kv_cache_dtype).removeprefix("torch.")
+            rows[name]["text"] = loaded.tokenizer.decode(rows[name]["sample"]) if loaded.tokenizer else ""
+    return rows
+
+
+def _print_report(rows: dict[str, dict], prompts: list, k: int, launch: dict | None) -> None:
     first = prompts[0] if isinstance(prompts[0], str) else "(token ids)"
-    out.print(f"prompt: {first!r}\nBF16 target + assistant (k={k}):\n{rows['bf16']['text']}\n", highlight=False,
-              markup=False)
+    out.print(f"prompt (held out from training):\n{first}\n--- greedy continuation, BF16 pair, k = {k} (a 6M-parameter "
+              f"model trained for an hour on a CPU: Python-shaped, often repetitive) ---\n{rows['bf16']['text']}\n",
+              highlight=False, markup=False)
     header = (f"{'target':<7} {'KV cache':<14} {'acceptance by position':<26} {'mean len':>8} {'tok/s k=0':>9} "
               f"{f'tok/s k={k}':>9} {'speedup':>7} {'vs BF16':>8}")
     out.print(header, highlight=False)
@@ -113,5 +143,8 @@ def demo_command(
         out.print(f"{name:<7} {row['kv_cache']:<14} {acceptance:<26} {row['mean_length']:>8.2f} "
                   f"{row['target_only_tps']:>9.1f} {row['speculative_tps']:>9.1f} {row['speedup']:>6.2f}x "
                   f"{row['acceptance_change_vs_bf16']:>+8.2f}", highlight=False)
-    if out_dir is not None:
-        out.print(f"converted pairs kept in {out_dir} (serve one with the line in its pair.json)", highlight=False)
+    if not all(row["exact"] for row in rows.values()):
+        out.print("warning: a speculative output differs from its target-only output", highlight=False)
+    if launch is not None:
+        out.print("serve the NVFP4 pair with vLLM (its pair.json has the Python form):\n  " + launch["nvfp4"],
+                  markup=False, highlight=False)

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from mtpkit.cli.app import app
-from mtpkit.calibrate.pipeline import quantize_calibrated
+from mtpkit.calibrate.pipeline import pair_summary, quantize_calibrated
 from mtpkit.cli.console import byte_progress, out, phase_progress, warn
 from mtpkit.cli.draft_cmd import Dialect, format_rule
 from mtpkit.cli.quantize_cmd import KVCache, Scheme
@@ -49,8 +49,7 @@ def pair_command(
         with phase_progress() as progress:
             result = quantize_calibrated(target_ck, folder, scheme=quantize.value, kv_cache=kv_cache is KVCache.fp8,
                                          calib=calib, progress=progress)
-        # The summary for pair.json; the per-module errors stay in the target's mtpkit_quantize.json.
-        return {k: v for k, v in result.report.items() if k not in ("relative_weight_error", "kept_unquantized")}
+        return pair_summary(result.report)
     with byte_progress("pairing", target_ck.total_bytes + draft_ck.total_bytes) as advance:
         result = pair(target_ck, draft_ck, dest, dialect=dialect.value, force=force, write_target=quantized_target if quantize else None,
                       on_bytes=advance)
