@@ -50,9 +50,9 @@ def _measure(pair, prompts: list, k: int, max_new_tokens: int) -> dict:
 def demo_command(
     out_dir: Annotated[Path | None, typer.Option("--out", help="Keep the three pairs (bf16/, fp8/, nvfp4/) in this "
                                                  "new folder, each with its pair.json and vLLM launch line.")] = None,
-    num_prompts: Annotated[int, typer.Option("--prompts", help="Held-out prompts to run.")] = 4,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 48,
-    k: Annotated[int, typer.Option("--k", help="Speculative tokens per round.")] = 4,
+    num_prompts: Annotated[int, typer.Option("--prompts", min=1, help="Held-out prompts to run.")] = 4,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 48,
+    k: Annotated[int, typer.Option("--k", min=1, max=16, help="Speculative tokens per round.")] = 4,
     target: Annotated[Path | None, typer.Option("--target", help="Another BF16 target (default: the shipped "
                                                 "one).")] = None,
     draft: Annotated[Path | None, typer.Option("--draft", help="Its assistant.")] = None,

@@ -89,3 +89,6 @@ def test_refusals_leave_nothing(cli, tmp_path):
     result = cli("demo", "--target", ASSISTANT, "--out", out)  # an assistant where the target goes
     assert result.code == 2 and "--target" in result.err, result.err
     assert not out.exists()
+    for option, value in (("--k", "0"), ("--prompts", "0"), ("--max-new-tokens", "0")):
+        result = cli("demo", option, value, "--out", out)
+        assert result.code == 2 and option in result.err and not out.exists(), result.err
