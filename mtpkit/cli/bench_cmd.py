@@ -84,7 +84,7 @@ def bench_command(
     from mtpkit.loader.bench import bench_pair, transformers_baseline
 
     k_values = parse_ks(ks)
-    prompts = _prompts(prompt, prompts_file)
+    prompts = _prompts(prompt, prompts_file, command="bench", file_option="--prompts")
     loaded = load_for_cli(pair, target=target, draft=draft, device=device, dtype=dtype,
                           kv_cache_dtype=kv_cache_dtype.value)
 

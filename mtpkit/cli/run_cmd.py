@@ -22,11 +22,13 @@ class KVCacheDtype(str, Enum):
     fp8 = "fp8"
 
 
-def _prompts(prompt: list[str], prompt_file: Path | None) -> list:
+def _prompts(prompt: list[str], prompt_file: Path | None, command: str = "run",
+             file_option: str = "--prompt-file") -> list:
+    """--prompt values, then the file's prompts (one per line, or JSONL); errors name `command`'s own options."""
     prompts: list = list(prompt)
     if prompt_file is not None:
         if not prompt_file.is_file():
-            raise ConfigError("does not exist", where=prompt_file, fix="give --prompt-file a text or JSONL file")
+            raise ConfigError("does not exist", where=prompt_file, fix=f"give {file_option} a text or JSONL file")
         lines = prompt_file.read_text(encoding="utf-8").splitlines()
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -44,7 +46,8 @@ def _prompts(prompt: list[str], prompt_file: Path | None) -> list:
                                   fix='write {"prompt": "..."} or {"input_ids": [...]} per line')
             prompts.append(record.get("input_ids", record.get("prompt")))
     if not prompts:
-        raise ConfigError("no prompt given", where="run", fix="pass --prompt TEXT (repeatable) or --prompt-file FILE")
+        raise ConfigError("no prompt given", where=command,
+                          fix=f"pass --prompt TEXT (repeatable) or {file_option} FILE")
     return prompts
 
 

@@ -47,3 +47,12 @@ def test_k_values():
     for bad in ("0..3", "a", "1..17", ""):
         with pytest.raises(ConfigError):
             parse_ks(bad)
+
+
+def test_missing_prompts_name_benchs_own_options(tiny, cli, tmp_path):
+    pair = ("--target", tiny("e2b_like"), "--draft", tiny("assistant_centroids"))
+    result = cli("bench", *pair)
+    assert result.code == 2 and "bench: no prompt given" in result.err and "--prompts FILE" in result.err, result.err
+    result = cli("bench", *pair, "--prompts", tmp_path / "absent.txt")
+    assert result.code == 2 and "give --prompts a text or JSONL file" in result.err, result.err
+    assert result.err.count("\n") == 1  # one line
