@@ -56,18 +56,20 @@ class CliResult:
     err: str
 
 
+def run_cli(capture, *args) -> CliResult:
+    """`mtp-convert ARGS` in-process through the real entry point (error mapping included), its output read
+    from `capture` (pytest's capsys, or capfd where a handler holds the real stderr)."""
+    capture.readouterr()
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    captured = capture.readouterr()
+    return CliResult(code, captured.out, captured.err)
+
+
 @pytest.fixture
 def cli(capsys):
-    """Run `mtp-convert ARGS` in-process through the real entry point (error mapping included)."""
-
-    def run(*args: str) -> CliResult:
-        capsys.readouterr()
-        try:
-            main([str(a) for a in args])
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        captured = capsys.readouterr()
-        return CliResult(code, captured.out, captured.err)
-
-    return run
+    """Run `mtp-convert ARGS` in-process (run_cli with capsys)."""
+    return lambda *args: run_cli(capsys, *args)

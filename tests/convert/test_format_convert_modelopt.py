@@ -71,13 +71,19 @@ def _linear_targets(folder, tensors):
     return [t for t in quantization_targets(open_checkpoint(folder).tensors) if t.weight.name in tensors]
 
 
+def _group_amax(targets, tensors) -> dict[str, float]:
+    """max |weight| per fused group (q/k/v, gate/up share one global scale)."""
+    amax: dict[str, float] = {}
+    for t in targets:
+        amax[t.group] = max(amax.get(t.group, 0.0), float(tensors[t.weight.name].float().abs().max()))
+    return amax
+
+
 def _ct_checkpoint(folder, scheme: str, *, kv: bool = True, ignore: list[str] = CT_IGNORE):
     """`folder` turned into a compressed-tensors checkpoint of `scheme`, as mtpkit's quantizer lays one out."""
     tensors = load_file(folder / "model.safetensors")
     targets = _linear_targets(folder, tensors)
-    amax: dict[str, float] = {}
-    for t in targets:
-        amax[t.group] = max(amax.get(t.group, 0.0), float(tensors[t.weight.name].float().abs().max()))
+    amax = _group_amax(targets, tensors)
     for i, t in enumerate(targets):
         weight = tensors.pop(t.weight.name)
         tensors.update({f"{t.module}.{s}": v for s, v in quantize_weight(weight, scheme, amax[t.group]).tensors.items()})
@@ -172,9 +178,7 @@ def _modelopt_built(folder, scheme: str, *, exact: bool):
     """
     tensors = load_file(folder / "model.safetensors")
     targets = _linear_targets(folder, tensors)
-    amax: dict[str, float] = {}
-    for t in targets:
-        amax[t.group] = max(amax.get(t.group, 0.0), float(tensors[t.weight.name].float().abs().max()))
+    amax = _group_amax(targets, tensors)
     for i, t in enumerate(targets):
         weight, a = tensors.pop(t.weight.name), amax[t.group]
         m = t.module

@@ -108,6 +108,16 @@ def no_network(monkeypatch):
     assert attempts == [], f"the test reached for the network: {attempts}"
 
 
+def use_offline_cache(monkeypatch, cache, workdir) -> None:
+    """Point huggingface_hub at `cache`, offline, and run from `workdir` (so "acme/..." is never a local folder)."""
+    for name, value in (("HF_HUB_CACHE", str(cache)), ("HF_HUB_OFFLINE", "1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.delenv("HF_HOME", raising=False)
+    monkeypatch.chdir(workdir)
+
+
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch, tiny, no_network):
     """An offline Hub cache holding acme/tiny-e2b: main = a copy of tiny("e2b_like"), dev = tiny("text_only")."""
@@ -115,12 +125,7 @@ def hub_cache(tmp_path, monkeypatch, tiny, no_network):
     cache.mkdir()
     main = add_commit(cache, REPO, MAIN_COMMIT, folder_files(tiny("e2b_like")), ref="main")
     dev = add_commit(cache, REPO, DEV_COMMIT, folder_files(tiny("text_only")), ref="dev")
-    for name, value in (("HF_HUB_CACHE", str(cache)), ("HF_HUB_OFFLINE", "1")):
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.delenv("HF_HOME", raising=False)
-    monkeypatch.chdir(tmp_path)  # so "acme/tiny-e2b" is never a local folder by accident
+    use_offline_cache(monkeypatch, cache, tmp_path)
     return {"cache": cache, "main": main, "dev": dev}
 
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mtpkit.hub import plan_push
-from tests.conftest import tree_digest
+from tests.conftest import run_cli, tree_digest
 from tests.hub.conftest import TOKEN, digest, front_matter
 
 # huggingface_hub hands a file object to `data=` for LFS uploads; httpx2 deprecates that. Not ours to fix.
@@ -215,16 +215,8 @@ def test_dry_run_sends_nothing_and_prints_the_plan_and_cards(pair_dir, hub, cli)
 
 def _run_fd(capfd, *args):
     """Like the `cli` fixture, but capturing the file descriptors (a logging handler may hold the real stderr)."""
-    from mtpkit.cli.app import main
-
-    capfd.readouterr()
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    captured = capfd.readouterr()
-    return code, captured.out, captured.err
+    result = run_cli(capfd, *args)
+    return result.code, result.out, result.err
 
 
 def test_the_token_is_never_printed_logged_or_written(pair_dir, pair_copy, hub, capfd, caplog, monkeypatch, tmp_path):

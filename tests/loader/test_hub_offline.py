@@ -9,7 +9,6 @@ from __future__ import annotations
 
 
 import pytest
-from huggingface_hub import constants as hf_constants
 
 from mtpkit.errors import SourceNotFoundError
 from mtpkit.loader import load_pair
@@ -32,12 +31,7 @@ def hub(tmp_path, monkeypatch, local, no_network):
     cache.mkdir()
     snapshots = {repo: source_tests.add_commit(cache, repo, COMMIT, source_tests.folder_files(local[key]), ref="main")
                  for repo, key in ((PAIR_REPO, "pair"), (TARGET_REPO, "target"), (DRAFT_REPO, "draft"))}
-    for name, value in (("HF_HUB_CACHE", str(cache)), ("HF_HUB_OFFLINE", "1")):
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.delenv("HF_HOME", raising=False)
-    monkeypatch.chdir(tmp_path)  # so "acme/..." is never a local folder by accident
+    source_tests.use_offline_cache(monkeypatch, cache, tmp_path)
     return snapshots
 
 
